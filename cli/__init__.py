@@ -1,0 +1,1 @@
+"""mlx-hybrid command line."""

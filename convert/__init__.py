@@ -1,0 +1,1 @@
+"""Checkpoint conversion to MLX model directories."""

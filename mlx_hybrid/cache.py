@@ -1,0 +1,88 @@
+"""Per-layer KV cache that grows in fixed steps and can roll back.
+
+Growing in `STEP`-token chunks keeps decode from reallocating every token; `trim` rolls the
+cache back so a chat can reuse the prefix it shares with the next turn (and a speculative step
+can drop rejected tokens). Sliding-window layers drop keys no future query can reach.
+"""
+
+import mlx.core as mx
+
+STEP = 256
+
+
+class KVCache:
+    def __init__(self, window: int | None = None):
+        self.keys = None
+        self.values = None
+        self.offset = 0  # absolute position of the next token
+        self.start = 0  # absolute position of keys[..., 0, :]
+        self.window = window
+
+    @property
+    def size(self) -> int:
+        """Tokens held in the buffer."""
+        return self.offset - self.start
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append (batch, kv_heads, n, head_dim) keys/values; return all the keys/values held."""
+        n = keys.shape[2]
+        if self.window is not None:
+            self._drop_unreachable()
+        size = self.size
+        if self.keys is None or size + n > self.keys.shape[2]:
+            capacity = (size + n + STEP - 1) // STEP * STEP
+            shape = (*keys.shape[:2], capacity, keys.shape[3])
+            new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
+            if size:
+                new_k[..., :size, :] = self.keys[..., :size, :]
+                new_v[..., :size, :] = self.values[..., :size, :]
+            self.keys, self.values = new_k, new_v
+        self.keys[..., size : size + n, :] = keys
+        self.values[..., size : size + n, :] = values
+        self.offset += n
+        return self.keys[..., : size + n, :], self.values[..., : size + n, :]
+
+    def _drop_unreachable(self):
+        # Queries from now on sit at positions >= offset and see keys > offset - window.
+        drop = self.offset - self.window + 1 - self.start
+        if drop >= STEP:
+            self.keys = self.keys[..., drop : self.size, :]
+            self.values = self.values[..., drop : self.size, :]
+            self.start += drop
+
+    def make_mask(self, n: int):
+        """Attention mask for the n newest tokens against everything held: None, "causal" or bool array."""
+        size = self.size
+        if self.window is None or size <= self.window:
+            return None if n == 1 else "causal"
+        q_pos = mx.arange(self.offset - n, self.offset)[:, None]
+        k_pos = mx.arange(self.start, self.offset)[None]
+        return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
+
+    def trimmable(self) -> int:
+        """How many of the newest tokens `trim` can remove and still serve later queries."""
+        if self.window is None or self.start == 0:
+            return self.size
+        return max(0, self.offset - (self.start + self.window - 1))
+
+    def trim(self, n: int) -> int:
+        """Forget the n newest tokens; returns how many were removed."""
+        n = min(n, self.trimmable())
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+
+def trim_cache(cache: list, n: int) -> int:
+    """Trim every layer by the same amount (the most all layers allow, at most n)."""
+    n = min([n] + [c.trimmable() for c in cache])
+    for c in cache:
+        c.trim(n)
+    return n

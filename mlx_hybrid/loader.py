@@ -1,0 +1,116 @@
+"""Load a model directory (Hugging Face layout, float or MLX-quantized) into a model and tokenizer.
+
+Every way a directory can be wrong ends in a `HybridError` whose message names the file or
+tensor at fault, so the CLI can print one line instead of a traceback.
+"""
+
+import glob
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
+
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.models import llama
+
+# config.json "model_type" -> module holding ModelArgs and Model.
+ARCHITECTURES = {"llama": llama, "mistral": llama}
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def load_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise HybridError(f"model directory not found: {path}")
+    file = path / "config.json"
+    if not file.is_file():
+        raise HybridError(f"no config.json in {path}")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HybridError(f"{file} is not valid JSON ({e})") from None
+    kind = config.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise HybridError(
+            f"unsupported architecture '{kind}' in {file} (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return config
+
+
+def load_weights(path: Path) -> dict[str, mx.array]:
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise HybridError(f"no *.safetensors weight files in {path}")
+    weights = {}
+    for file in files:
+        try:
+            weights.update(mx.load(file))
+        except Exception as e:  # mlx raises RuntimeError/ValueError with a multi-line reason
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HybridError(f"cannot read {file}: truncated or corrupt safetensors ({reason})") from None
+    return weights
+
+
+def _quantize(model: nn.Module, qconfig: dict, weights: dict):
+    """Swap in quantized layers wherever the checkpoint holds quantized tensors (mlx-lm's layout)."""
+
+    def predicate(path: str, module: nn.Module):
+        hf_path = path.replace("qkv_proj", "q_proj").replace("gate_up_proj", "gate_proj")
+        if hf_path in qconfig:
+            return qconfig[hf_path]
+        return f"{path}.scales" in weights
+
+    nn.quantize(model, qconfig["group_size"], qconfig["bits"], class_predicate=predicate)
+
+
+def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
+    """The model in `path`; float weights cast to `dtype` when given (quantized ones stay as stored)."""
+    path = Path(path)
+    config = load_config(path)
+    weights = load_weights(path)
+    config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
+    arch = ARCHITECTURES[config["model_type"]]
+    try:
+        args = arch.ModelArgs.from_dict(config)
+        model = arch.Model(args)
+        weights = model.sanitize(weights)
+    except (TypeError, ValueError, KeyError) as e:
+        raise HybridError(f"{path}: {e}") from None
+    if config.get("quantization"):
+        _quantize(model, config["quantization"], weights)
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+        weights = {
+            k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases")) else v
+            for k, v in weights.items()
+        }
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise HybridError(f"{path}: weights do not match config.json: {str(e).splitlines()[0]}") from None
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: str | Path, eos_token_ids=None) -> TokenizerWrapper:
+    path = Path(path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise HybridError(f"no tokenizer in {path} (expected {' or '.join(TOKENIZER_FILES)})")
+    try:
+        return load_tokenizer_wrapper(path, eos_token_ids=eos_token_ids)
+    except Exception as e:
+        raise HybridError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
+
+
+def load(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files)."""
+    model = load_model(path, dtype)
+    config = json.loads((Path(path) / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos)
+    return model, tokenizer

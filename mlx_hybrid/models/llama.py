@@ -1,0 +1,161 @@
+"""Llama 2/3/3.x and Mistral (sliding-window) decoder, in the Hugging Face weight layout.
+
+Q/K/V and gate/up projections are fused into one matmul each at load time (`sanitize`): a
+decode step is a chain of small matrix-vector products, so fewer, larger ones run faster.
+"""
+
+from dataclasses import dataclass, field, fields
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_hybrid.cache import KVCache
+from mlx_hybrid.rope import apply_rope, rope_frequencies
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    quantization: dict | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.model_type != "mistral":
+            self.sliding_window = None  # Llama configs may carry the key unused
+
+
+@mx.compile
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, qkv, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
+        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+        offset = cache.offset if cache is not None else 0
+        q = apply_rope(q, self._freqs, offset)
+        k = apply_rope(k, self._freqs, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+            mask = cache.make_mask(L)
+        else:
+            mask = "causal" if L > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(swiglu(gate, up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, cache: list | None) -> mx.array:
+        h = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache[i] if cache is not None else None)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, cache: list | None = None, return_hidden: bool = False):
+        """Logits (batch, length, vocab) for tokens (batch, length); also the final hidden states if asked."""
+        h = self.model(tokens, cache)
+        logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        return (logits, h) if return_hidden else logits
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache(self.args.sliding_window) for _ in self.model.layers]
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Map Hugging Face / mlx-lm tensor names onto this module: fuse q/k/v and gate/up, drop unused."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        for name in list(weights):
+            module, _, param = name.rpartition(".")  # param: weight, bias, scales or biases
+            parent, _, leaf = module.rpartition(".")
+            for target, parts in FUSED.items():
+                if leaf == parts[0]:
+                    names = [f"{parent}.{p}.{param}" for p in parts]
+                    missing = [n for n in names if n not in weights]
+                    if missing:
+                        raise ValueError(f"checkpoint lacks tensor '{missing[0]}'")
+                    weights[f"{parent}.{target}.{param}"] = mx.concatenate([weights.pop(n) for n in names])
+        return weights
+
+
+# Fused projection -> the Hugging Face projections it concatenates (along the output axis).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -1,0 +1,79 @@
+"""Small real-architecture models with random weights, written in the Hugging Face layout.
+
+Nothing is downloaded: transformers builds the model from a config, and the tokenizer is a
+byte-level BPE trained here on a few sentences.
+"""
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hybrid models replace some attention layers with state space layers.",
+    "Speculative decoding verifies many drafted tokens in one forward pass.",
+    "Once upon a time there was a little robot who loved to read books.",
+] * 20
+
+BASE_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
+def make_tokenizer(path: Path, vocab_size: int = 320):
+    """Train a tiny byte-level BPE and save it as a transformers fast tokenizer with a chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_hf_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+    """A Hugging Face model directory (config.json, model.safetensors, tokenizer) with random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(path) if tokenizer else None
+    cfg = dict(BASE_CONFIG, vocab_size=len(tok) if tok else 320, **overrides)
+    if tok:
+        cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**cfg))
+    else:
+        raise ValueError(arch)
+    # Random init has tiny weights; widen them so logits differ clearly between tokens.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
