@@ -1,8 +1,180 @@
+"""The `hybrid` command: chat and generate with Llama-family and hybrid models on MLX."""
+
+import sys
+from pathlib import Path
+from typing import Optional
+
 import typer
-app = typer.Typer()
+from rich.console import Console
+
+from mlx_hybrid.errors import HybridError
+
+app = typer.Typer(
+    help="Fast on-device LLM inference on MLX: chat with or generate from a model directory.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+MODEL_HELP = "Model directory (config.json, *.safetensors, tokenizer). Default: the embedded SmolLM2-135M-Instruct 4-bit."
+
+
+def _load(model_dir: Optional[Path]):
+    from mlx_hybrid.loader import load
+
+    if model_dir is None:
+        from mlx_hybrid.default_model import default_model_path
+
+        try:
+            model_dir = default_model_path()
+        except FileNotFoundError as e:
+            raise HybridError(str(e)) from None
+    with err.status(f"Loading {model_dir} ..."):
+        return load(model_dir)
+
+
+def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
+    from mlx_hybrid.generate import SamplingParams
+
+    params = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
+    params.check()
+    return params
+
+
+def _stats(r) -> str:
+    return (
+        f"prompt {r.prompt_tokens} tok, {r.prompt_tps:.1f} tok/s | "
+        f"reply {r.generation_tokens} tok, {r.generation_tps:.1f} tok/s | peak memory {r.peak_memory:.2f} GB"
+    )
+
+
+# Shared sampling options (typer reads defaults from these).
+Temp = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
+TopP = typer.Option(0.0, "--top-p", help="Nucleus sampling mass (0 disables).")
+TopK = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 disables).")
+MinP = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0 disables).")
+RepPenalty = typer.Option(None, "--repetition-penalty", help="Penalize the last 20 tokens (> 1 discourages repeats).")
+Seed = typer.Option(None, "--seed", help="Random seed for sampling.")
+
+
 @app.command()
-def chat():
-    print("hi")
+def chat(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Longest reply, in tokens."),
+    temp: float = Temp,
+    top_p: float = TopP,
+    top_k: int = TopK,
+    min_p: float = MinP,
+    repetition_penalty: Optional[float] = RepPenalty,
+    seed: Optional[int] = Seed,
+):
+    """Chat in the terminal. /reset clears the history, /exit quits, Ctrl-C stops a reply."""
+    from mlx_hybrid.chat import ChatSession
+
+    sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    if max_tokens < 1:
+        raise HybridError(f"--max-tokens must be >= 1, got {max_tokens}")
+    session = ChatSession(*_load(model), system=system)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    out.print("[dim]Type a message. /reset clears the history, /exit quits, Ctrl-C stops a reply.[/]")
+    while True:
+        try:
+            text = input(">>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            out.print()
+            return
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            session.reset()
+            out.print("[dim]History cleared.[/]")
+            continue
+        if not text:
+            continue
+        replies = session.send(text, max_tokens=max_tokens, sampling=sampling)
+        r = None
+        try:
+            for r in replies:
+                out.print(r.text, end="", markup=False)
+        except KeyboardInterrupt:
+            replies.close()
+            out.print("[dim] [stopped][/]", end="")
+        except HybridError as e:
+            out.print(f"[red]error:[/] {e} (/reset clears the history)", markup=True)
+            continue
+        out.print()
+        if r is not None:
+            limit = session.context_limit
+            ctx = f" | context {session.context_used}/{limit}" if limit else ""
+            out.print(f"[dim]{_stats(r)}{ctx}[/]")
+
+
 @app.command()
-def generate():
-    print("gen")
+def generate(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' or omitted reads stdin."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    raw: bool = typer.Option(False, "--raw", help="Use the prompt as is, without the chat template."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt (chat template only)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop before this string (repeatable)."),
+    temp: float = Temp,
+    top_p: float = TopP,
+    top_k: int = TopK,
+    min_p: float = MinP,
+    repetition_penalty: Optional[float] = RepPenalty,
+    seed: Optional[int] = Seed,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory to stderr."),
+):
+    """Generate a completion for one prompt and stream it to stdout."""
+    from mlx_hybrid.chat import ChatSession
+    from mlx_hybrid.generate import stream_generate
+
+    sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty() and prompt is None:
+            raise HybridError("no prompt: pass --prompt TEXT or pipe text on stdin")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise HybridError("the prompt is empty")
+    loaded, tokenizer = _load(model)
+    if not raw:
+        session = ChatSession(loaded, tokenizer, system=system)
+        prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
+    r = None
+    for r in stream_generate(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop):
+        out.print(r.text, end="", markup=False)
+    out.print()
+    if verbose and r is not None:
+        err.print(f"[dim]{_stats(r)}[/]")
+
+
+def main():
+    """Entry point: runs the app and turns every user error into one line on stderr."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(prog_name="hybrid", standalone_mode=False)
+    except HybridError as e:
+        err.print(f"error: {e}", markup=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:
+        # Usage errors from typer's click (vendored or not): they carry format_message/exit_code.
+        if type(e).__name__ == "NoArgsIsHelpError":
+            out.print(e.ctx.get_help(), markup=False)
+            sys.exit(0)
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+            raise
+        err.print(f"error: {e.format_message()}", markup=False)
+        sys.exit(e.exit_code)
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()

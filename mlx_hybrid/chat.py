@@ -1,0 +1,89 @@
+"""A multi-turn conversation whose history stays in the KV cache between turns.
+
+Each turn renders the whole conversation with the tokenizer's chat template, keeps the cached
+prefix it shares with the new rendering and prefills only the rest, so a long chat does not
+re-read its history every turn.
+"""
+
+from itertools import chain
+from typing import Iterator
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_hybrid.cache import trim_cache
+from mlx_hybrid.generate import GenerationResponse, SamplingParams, context_limit, stream_generate
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatSession:
+    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None):
+        self.model, self.tokenizer, self.system = model, tokenizer, system
+        self.reset()
+
+    def reset(self):
+        """Forget the conversation (the system prompt stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache = self.model.make_cache()
+        self.tokens: list[int] = []  # exactly the tokens whose keys/values the cache holds
+
+    @property
+    def context_used(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def context_limit(self) -> int | None:
+        return context_limit(self.model)
+
+    def render(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+            return self.tokenizer.encode(text)
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    def send(
+        self, text: str, max_tokens: int = 512, sampling: SamplingParams | None = None
+    ) -> Iterator[GenerationResponse]:
+        """Stream the assistant's reply to text. Closing the iterator early keeps the partial reply."""
+        prompt = self.render(self.messages + [{"role": "user", "content": text}])
+        keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
+        if trim_cache(self.cache, len(self.tokens) - keep) != len(self.tokens) - keep:
+            self.cache, keep = self.model.make_cache(), 0  # a sliding-window cache can't rewind that far
+        self.tokens = prompt[:keep]
+        replies = stream_generate(
+            self.model, self.tokenizer, prompt[keep:], max_tokens=max_tokens, sampling=sampling, cache=self.cache
+        )
+        try:
+            first = next(replies)
+        except BaseException:  # prompt rejected, or Ctrl-C during prefill: history unchanged
+            self._sync(prompt)
+            raise
+        self.messages.append({"role": "user", "content": text})
+        reply, generated = "", []
+        try:
+            for r in chain([first], replies):
+                reply += r.text
+                generated.append(r.token)
+                yield r
+        finally:
+            replies.close()
+            self.messages.append({"role": "assistant", "content": reply})
+            self._sync(prompt + generated)
+
+    def _sync(self, fed: list[int]):
+        """Make the cache hold a prefix of `fed` in every layer (an interrupt can land between layers)."""
+        n = min([len(fed)] + [c.offset for c in self.cache])
+        for c in self.cache:
+            c.trim(c.offset - n)
+        if any(c.offset != n for c in self.cache):
+            self.cache, n = self.model.make_cache(), 0
+        self.tokens = fed[:n]

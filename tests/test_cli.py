@@ -1,0 +1,115 @@
+"""The `hybrid` command: real output on good input; one line on stderr and a non-zero exit on bad input."""
+
+import io
+import json
+import sys
+
+import pytest
+from factories import make_hf_model_dir
+
+from mlx_hybrid.chat import ChatSession
+from mlx_hybrid.cli.main import main
+from mlx_hybrid.generate import stream_generate
+from mlx_hybrid.loader import load
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model_dir(tmp_path_factory.mktemp("cli") / "m", seed=5)
+
+
+def run(monkeypatch, capsys, *args, stdin=None):
+    monkeypatch.setattr(sys, "argv", ["hybrid", *map(str, args)])
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    capsys.readouterr()  # drop what fixtures printed
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, *fragments):
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def test_generate_matches_api(monkeypatch, capsys, model_dir):
+    code, out, _ = run(monkeypatch, capsys, "generate", "--model", model_dir, "-p", "Once upon", "--max-tokens", 15)
+    assert code == 0
+    model, tok = load(model_dir)
+    prompt = ChatSession(model, tok).render([{"role": "user", "content": "Once upon"}])
+    expected = "".join(r.text for r in stream_generate(model, tok, prompt, max_tokens=15))
+    assert out == expected + "\n"
+
+
+def test_generate_reads_stdin_raw(monkeypatch, capsys, model_dir):
+    code, out, err = run(
+        monkeypatch, capsys, "generate", "--model", model_dir, "--raw", "--max-tokens", 10, "-v", stdin="The quick"
+    )
+    assert code == 0
+    model, tok = load(model_dir)
+    assert out == "".join(r.text for r in stream_generate(model, tok, "The quick", max_tokens=10)) + "\n"
+    assert "tok/s" in err and "peak memory" in err
+
+
+def test_chat_session_commands(monkeypatch, capsys, model_dir):
+    code, out, _ = run(
+        monkeypatch, capsys, "chat", "--model", model_dir, "--max-tokens", 6, stdin="hello\n/reset\nthe fox\n/exit\n"
+    )
+    assert code == 0
+    assert out.count("reply 6 tok,") == 2
+    assert "History cleared." in out
+    assert "context " in out
+
+
+def test_help_reads_well(monkeypatch, capsys):
+    code, out, _ = run(monkeypatch, capsys, "--help")
+    assert code == 0 and "chat" in out and "generate" in out
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--temp", "-1"], ["temperature"]),
+        (["--top-p", "1.5"], ["top-p"]),
+        (["--top-k", "-2"], ["top-k"]),
+        (["--max-tokens", "0"], ["max tokens"]),
+        (["--max-tokens", "abc"], ["--max-tokens"]),
+        (["--repetition-penalty", "0"], ["repetition penalty"]),
+        (["--bogus"], ["--bogus"]),
+    ],
+)
+def test_invalid_flags(monkeypatch, capsys, model_dir, args, fragments):
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", model_dir, "-p", "hi", *args)
+    assert_one_line_error(code, err, *fragments)
+
+
+def test_prompt_longer_than_context(monkeypatch, capsys, model_dir):
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", model_dir, "--raw", "-p", "fox " * 600)
+    assert_one_line_error(code, err, "limit is 512")
+
+
+def test_bad_model_dirs(monkeypatch, capsys, model_dir, tmp_path):
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", tmp_path / "nope", "-p", "hi")
+    assert_one_line_error(code, err, "not found", "nope")
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", unknown, "-p", "hi")
+    assert_one_line_error(code, err, "gpt2", "llama")
+
+    truncated = make_hf_model_dir(tmp_path / "truncated", seed=1)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", truncated, "-p", "hi")
+    assert_one_line_error(code, err, "model.safetensors")
+
+    no_tok = make_hf_model_dir(tmp_path / "notok", seed=1, tokenizer=False)
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", no_tok, "-p", "hi")
+    assert_one_line_error(code, err, "tokenizer")
