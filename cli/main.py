@@ -44,9 +44,10 @@ def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
 
 
 def _stats(r) -> str:
+    memory = f"{r.peak_memory:.2f} GB" if r.peak_memory >= 1 else f"{r.peak_memory * 1e3:.0f} MB"
     return (
         f"prompt {r.prompt_tokens} tok, {r.prompt_tps:.1f} tok/s | "
-        f"reply {r.generation_tokens} tok, {r.generation_tps:.1f} tok/s | peak memory {r.peak_memory:.2f} GB"
+        f"reply {r.generation_tokens} tok, {r.generation_tps:.1f} tok/s | peak memory {memory}"
     )
 
 
@@ -104,7 +105,7 @@ def chat(
                 out.print(r.text, end="", markup=False)
         except KeyboardInterrupt:
             replies.close()
-            out.print("[dim] [stopped][/]", end="")
+            out.print("[dim] \\[stopped][/]", end="")
         except HybridError as e:
             out.print(f"[red]error:[/] {e} (/reset clears the history)", markup=True)
             continue
