@@ -4,6 +4,7 @@ Nothing is downloaded: transformers builds the model from a config, and the toke
 byte-level BPE trained here on a few sentences.
 """
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -52,8 +53,24 @@ def make_tokenizer(path: Path, vocab_size: int = 320):
     return fast
 
 
-def make_hf_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
-    """A Hugging Face model directory (config.json, model.safetensors, tokenizer) with random weights."""
+def make_hf_model_dir(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    tokenizer: bool = True,
+    save_dtype: str | None = None,
+    legacy_rope: bool = False,
+    random_vectors: bool = False,
+    **overrides,
+) -> Path:
+    """A Hugging Face model directory (config.json, model.safetensors, tokenizer) with random weights.
+
+    save_dtype ("bfloat16", "float16") stores the weights in that dtype, as published checkpoints do.
+    legacy_rope writes rope_theta / rope_scaling at the top level of config.json, the layout of
+    transformers 4.x and most Hub checkpoints (transformers 5 writes only "rope_parameters").
+    random_vectors also perturbs biases and norm weights (zeros and ones at init), so a loader
+    that dropped or misplaced them would change the logits.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -75,5 +92,20 @@ def make_hf_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            elif random_vectors:
+                p.add_(torch.randn_like(p), alpha=0.08)
+    if save_dtype:
+        model.to(getattr(torch, save_dtype))
     model.save_pretrained(path, safe_serialization=True)
+    if legacy_rope:
+        _write_legacy_rope(path / "config.json")
     return path
+
+
+def _write_legacy_rope(file: Path):
+    config = json.loads(file.read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = rope
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -35,6 +35,13 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
+        config = dict(config)
+        # transformers >= 5 writes theta and scaling together under "rope_parameters".
+        rope = dict(config.pop("rope_parameters", None) or {})
+        if "rope_theta" in rope:
+            config.setdefault("rope_theta", rope.pop("rope_theta"))
+        if rope.get("rope_type", "default") != "default":
+            config.setdefault("rope_scaling", rope)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names})
 
@@ -64,18 +71,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
         self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
         qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
-        offset = cache.offset if cache is not None else 0
-        q = apply_rope(q, self._freqs, offset)
-        k = apply_rope(k, self._freqs, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-            mask = cache.make_mask(L)
-        else:
-            mask = "causal" if L > 1 else None
+        q = apply_rope(q, self._freqs, cache.offset)
+        k = apply_rope(k, self._freqs, cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        mask = cache.make_mask(L)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -99,7 +102,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -111,10 +114,10 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, cache: list | None) -> mx.array:
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         h = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cache[i] if cache is not None else None)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
         return self.norm(h)
 
 
@@ -127,8 +130,12 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, tokens: mx.array, cache: list | None = None, return_hidden: bool = False):
-        """Logits (batch, length, vocab) for tokens (batch, length); also the final hidden states if asked."""
-        h = self.model(tokens, cache)
+        """Logits (batch, length, vocab) for tokens (batch, length); also the final hidden states if asked.
+
+        Without a cache the tokens are a whole sequence from position 0 (a throwaway cache gives the
+        same masks, sliding window included, as generation uses).
+        """
+        h = self.model(tokens, cache if cache is not None else self.make_cache())
         logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
         return (logits, h) if return_hidden else logits
 
