@@ -66,9 +66,22 @@ def _quantize(model: nn.Module, qconfig: dict, weights: dict):
     nn.quantize(model, qconfig["group_size"], qconfig["bits"], class_predicate=predicate)
 
 
+def compute_dtype() -> str | None:
+    """The float dtype to run in when none is asked for: float32 on the CPU, else as stored.
+
+    MLX's CPU kernels for half types are many times slower than for float32 (a 4-bit matmul with
+    float16 scales runs ~35x slower than with float32 scales on x86), so on the CPU we upcast.
+    """
+    return "float32" if mx.default_device() == mx.cpu else None
+
+
 def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
-    """The model in `path`; float weights cast to `dtype` when given (quantized ones stay as stored)."""
+    """The model in `path`, float tensors (quantization scales included) cast to `dtype`.
+
+    dtype None picks `compute_dtype()`; integer (packed quantized) weights are never touched.
+    """
     path = Path(path)
+    dtype = dtype or compute_dtype()
     config = load_config(path)
     weights = load_weights(path)
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
@@ -84,10 +97,7 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     if dtype is not None:
         if dtype not in DTYPES:
             raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-        weights = {
-            k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases")) else v
-            for k, v in weights.items()
-        }
+        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
