@@ -25,12 +25,16 @@ def _load(model_dir: Optional[Path]):
     from mlx_hybrid.loader import load
 
     if model_dir is None:
+        from rich.progress import Progress
+
         from mlx_hybrid.default_model import default_model_path
 
-        try:
-            model_dir = default_model_path()
-        except FileNotFoundError as e:
-            raise HybridError(str(e)) from None
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("Preparing the embedded default model (first run only)", total=None)
+            try:
+                model_dir = default_model_path(progress=lambda done, total: bar.update(task, completed=done, total=total))
+            except FileNotFoundError as e:
+                raise HybridError(str(e)) from None
     with err.status(f"Loading {model_dir} ..."):
         return load(model_dir)
 
