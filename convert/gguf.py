@@ -268,7 +268,9 @@ def convert_gguf(
     try:
         reader = GGUFReader(src)
     except Exception as e:  # the gguf package raises ValueError/struct.error etc. on bad files
-        raise HybridError(f"cannot read {src}: not a valid GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise HybridError(
+            f"cannot read {src}: not a valid GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     config = read_config(reader)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))

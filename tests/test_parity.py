@@ -7,15 +7,15 @@ MLX-quantized checkpoints must stay within measured error bounds of the float mo
 
 import copy
 
+import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 import torch
 from factories import make_hf_model_dir
-
-import mlx.core as mx
-import mlx_lm
 from mlx_lm import convert
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
 from mlx_hybrid.cache import STEP
 from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load, load_model
