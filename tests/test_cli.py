@@ -110,6 +110,17 @@ def test_bad_model_dirs(monkeypatch, capsys, model_dir, tmp_path):
     code, _, err = run(monkeypatch, capsys, "generate", "--model", truncated, "-p", "hi")
     assert_one_line_error(code, err, "model.safetensors")
 
+    no_weights = make_hf_model_dir(tmp_path / "noweights", seed=1)
+    (no_weights / "model.safetensors").unlink()
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", no_weights, "-p", "hi")
+    assert_one_line_error(code, err, "no *.safetensors")
+
+    wrong_shape = make_hf_model_dir(tmp_path / "wrongshape", seed=1)
+    config = json.loads((wrong_shape / "config.json").read_text())
+    (wrong_shape / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
+    code, _, err = run(monkeypatch, capsys, "generate", "--model", wrong_shape, "-p", "hi")
+    assert_one_line_error(code, err, "do not match config.json")
+
     no_tok = make_hf_model_dir(tmp_path / "notok", seed=1, tokenizer=False)
     code, _, err = run(monkeypatch, capsys, "generate", "--model", no_tok, "-p", "hi")
     assert_one_line_error(code, err, "tokenizer")
