@@ -16,10 +16,10 @@ from factories import make_hf_model_dir
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
-from mlx_hybrid.convert.gguf import convert_gguf, hf_module, permute_rows, unpermute_rows
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from mlx_hybrid.chat import ChatSession
+from mlx_hybrid.convert.gguf import LAYER_NAMES, TOP_NAMES, convert_gguf, hf_module, permute_rows, unpermute_rows
 from mlx_hybrid.default_model import default_gguf_path, default_model_path
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import stream_generate
@@ -27,32 +27,17 @@ from mlx_hybrid.loader import load, load_model
 
 ATOL = 1e-4  # float32 logits of the converted model vs transformers on the same dequantized weights
 PROMPT = [5, 17, 99, 3, 250, 42, 8, 130, 77, 200, 64, 11]
-GGUF_NAMES = {
-    v: k
-    for k, v in {
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-    }.items()
-}
+GGUF_LAYER_NAMES = {v: k for k, v in LAYER_NAMES.items()}
+GGUF_TOP_NAMES = {v: k for k, v in TOP_NAMES.items()}
 
 
 def gguf_name(hf: str) -> str:
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf in top:
-        return top[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+    """Hugging Face tensor name -> llama.cpp's (the inverse of the converter's mapping)."""
+    module = hf.removesuffix(".weight")
+    if module in GGUF_TOP_NAMES:
+        return f"{GGUF_TOP_NAMES[module]}.weight"
+    _, _, layer, rest = module.split(".", 3)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}.weight"
 
 
 def write_gguf(hf_dir, path, qtypes: dict, pre="gpt2"):
