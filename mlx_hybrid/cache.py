@@ -1,8 +1,12 @@
-"""Per-layer KV cache that grows in fixed steps and can roll back.
+"""Per-layer caches: a KV cache for attention, a fixed-size state for SSM and DSLA layers.
 
 Growing in `STEP`-token chunks keeps decode from reallocating every token; `trim` rolls the
 cache back so a chat can reuse the prefix it shares with the next turn (and a speculative step
 can drop rejected tokens). Sliding-window layers drop keys no future query can reach.
+
+A recurrent layer's state cannot be rolled back token by token; instead `snapshot` keeps a
+reference to the current state (MLX arrays are immutable, so this copies nothing) and `restore`
+returns to it.
 """
 
 import mlx.core as mx
@@ -74,6 +78,43 @@ class KVCache:
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+
+class StateCache:
+    """The state of a recurrent layer: the same size at every context length.
+
+    `arrays` is whatever the layer keeps (Mamba: conv window and SSM state; DSLA: two states);
+    None until the first token.
+    """
+
+    def __init__(self):
+        self.arrays: list[mx.array] | None = None
+        self.offset = 0
+
+    def update(self, arrays: list[mx.array], n: int):
+        """Replace the state after the layer has consumed n more tokens."""
+        self.arrays = arrays
+        self.offset += n
+
+    def trimmable(self) -> int:
+        return 0
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    def snapshot(self) -> tuple[int, list[mx.array] | None]:
+        return self.offset, self.arrays
+
+    def restore(self, snap: tuple[int, list[mx.array] | None]):
+        self.offset, self.arrays = snap
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.arrays or []
 
     @property
     def nbytes(self) -> int:

@@ -14,10 +14,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.models import llama
+from mlx_hybrid.models import hybrid, llama
 
 # config.json "model_type" -> module holding ModelArgs and Model.
-ARCHITECTURES = {"llama": llama, "mistral": llama}
+ARCHITECTURES = {"llama": llama, "mistral": llama, "llama_hybrid": hybrid}
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -85,19 +85,30 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     config = load_config(path)
     weights = load_weights(path)
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
-    arch = ARCHITECTURES[config["model_type"]]
     try:
+        if (path / hybrid.MAMBA_IN_LLAMA_CONFIG).is_file():
+            mamba_config = json.loads((path / hybrid.MAMBA_IN_LLAMA_CONFIG).read_text())
+            config = hybrid.config_from_mamba_in_llama(config, mamba_config, weights)
+        arch = ARCHITECTURES[config["model_type"]]
         args = arch.ModelArgs.from_dict(config)
         model = arch.Model(args)
         weights = model.sanitize(weights)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise HybridError(f"{path}: {e}") from None
     if config.get("quantization"):
         _quantize(model, config["quantization"], weights)
-    if dtype is not None:
-        if dtype not in DTYPES:
-            raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    if dtype is not None and dtype not in DTYPES:
+        raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    keep = getattr(arch, "FP32_PARAMS", ())  # recurrent-state parameters stay float32 whatever dtype
+
+    def cast(name: str, v: mx.array) -> mx.array:
+        if not mx.issubdtype(v.dtype, mx.floating):
+            return v
+        if name.rpartition(".")[2] in keep:
+            return v.astype(mx.float32)
+        return v.astype(DTYPES[dtype]) if dtype else v
+
+    weights = {k: cast(k, v) for k, v in weights.items()}
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -1,0 +1,349 @@
+"""Hybrid Llama/Mistral: some attention layers replaced by Mamba, Mamba2 or DSLA layers.
+
+Embeddings, norms, MLPs and the remaining attention layers are the Llama ones. The recurrent
+layers are attention-initialized ("The Mamba in the Llama", Algorithm 1): x, B, C come from the
+attention's V, K, Q projections, with grouped KV heads expanded to the query heads, so a layer
+starts out as linearized attention and distillation only has to learn dt, A, D and the rest.
+
+The Mamba and Mamba2 layers follow the released MambaInLlama checkpoints tensor for tensor,
+quirks included (see `Mamba`); DSLA (dual-state linear attention, DSLA-Serve eq. 4-5) is this
+project's own. The checkpoint format is described in `mlx_hybrid/checkpoint_format.md`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_hybrid.cache import KVCache, StateCache
+from mlx_hybrid.models import llama
+from mlx_hybrid.scan import selective_scan
+
+MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
+LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")
+# Per-layer-kind attribute holding the mixer (MambaInLlama names its SSM mixers "mamba").
+MIXER_NAME = {"attention": "self_attn", "mamba": "mamba", "mamba2": "mamba", "dsla": "dsla"}
+# Parameters kept in float32 whatever the model dtype: the recurrence compounds their rounding.
+FP32_PARAMS = ("A_log", "D", "dt_bias", "gamma")
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    base_model_type: str = "llama"  # llama or mistral (sliding-window attention layers)
+    layer_types: list[str] | None = None
+    d_state: int = 16  # SSM state per channel (Mamba2: also the head size)
+    d_conv: int = 4
+    d_inner: int | None = None  # SSM channels; default hidden_size
+    d_xb: int | None = None  # width of x and B before KV-head expansion; default kv_heads * head_dim
+    dt_rank: int | None = None  # Mamba's low-rank dt projection; default ceil(hidden_size / 16)
+    conv_bias: bool = True
+    gate_rank: int = 16  # DSLA's low-rank forget-gate projections
+    gate_norm: float = 16.0  # DSLA gates are logsigmoid(.) / gate_norm, as in GLA
+
+    def __post_init__(self):
+        window = self.sliding_window if self.base_model_type == "mistral" else None
+        super().__post_init__()
+        self.sliding_window = window
+        self.layer_types = self.layer_types or ["attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unknown layer type '{unknown[0]}' (known: {', '.join(LAYER_TYPES)})")
+        self.d_inner = self.d_inner or self.hidden_size
+        self.d_xb = self.d_xb or self.num_key_value_heads * self.head_dim
+        self.dt_rank = self.dt_rank or math.ceil(self.hidden_size / 16)
+        for name in ("d_inner", "d_xb"):
+            if getattr(self, name) % self.d_state:
+                raise ValueError(f"{name} ({getattr(self, name)}) is not a multiple of d_state ({self.d_state})")
+        if self.d_inner % self.d_xb:
+            raise ValueError(f"d_inner ({self.d_inner}) is not a multiple of d_xb ({self.d_xb})")
+
+
+def expand_groups(t: mx.array, size: int, repeats: int) -> mx.array:
+    """Repeat each run of `size` features `repeats` times along the last axis (KV-head expansion)."""
+    if repeats == 1:
+        return t
+    *lead, d = t.shape
+    return mx.repeat(t.reshape(*lead, d // size, 1, size), repeats, axis=-2).reshape(*lead, d * repeats)
+
+
+class CausalConv(nn.Module):
+    """Depthwise causal convolution over time, weights in PyTorch's Conv1d layout (C, 1, K)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = mx.zeros((channels, 1, kernel))
+        if bias:
+            self.bias = mx.zeros((channels,))
+
+    def __call__(self, x: mx.array, window: mx.array | None) -> tuple[mx.array, mx.array]:
+        """Convolve x (batch, L, C) continuing from window, the K-1 previous inputs; return the new window."""
+        B, L, C = x.shape
+        K = self.weight.shape[-1]
+        if window is None:
+            window = mx.zeros((B, K - 1, C), x.dtype)
+        xp = mx.concatenate([window.astype(x.dtype), x], axis=1)
+        w = self.weight[:, 0, :].astype(x.dtype)
+        out = sum(xp[:, k : k + L] * w[:, k] for k in range(K))
+        if "bias" in self:
+            out = out + self.bias.astype(x.dtype)
+        return out, xp[:, L:]
+
+
+def _save_positions(L: int, save) -> list[int]:
+    return [L - 1] if save is None else list(save)
+
+
+class Mamba(nn.Module):
+    """MambaInLlama's Mamba layer: per-channel dt and A (d_inner x d_state), x gated by silu(z).
+
+    Two quirks of the released code are kept so its checkpoints give the same outputs: dt_proj's
+    bias is added twice (once by the Linear, once as the scan's delta_bias), and B, x are expanded
+    by repeating each d_state-sized run of features, which equals KV-head expansion when d_state
+    is the head size.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.d_inner, self.d_xb, self.d_state, self.dt_rank = args.d_inner, args.d_xb, args.d_state, args.dt_rank
+        self.repeats = args.d_inner // args.d_xb
+        # in_proj fuses MambaInLlama's in_proj_x, in_proj_z, B_proj, C_proj and dt_proj_down.
+        width = 2 * self.d_xb + 2 * self.d_inner + self.dt_rank
+        self.in_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.conv1d = CausalConv(self.d_inner, args.d_conv, args.conv_bias)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.A_log = mx.zeros((self.d_inner, self.d_state))
+        self.D = mx.ones((self.d_inner,))
+        self.out_proj = nn.Linear(self.d_inner, args.hidden_size, bias=False)
+
+    def project(self, u: mx.array):
+        """x, z, B, C, dt (pre-softplus) for input u, KV groups expanded (see the class docstring)."""
+        B_, L, _ = u.shape
+        n, r = self.d_state, self.repeats
+        x, z, Bm, Cm, dt = mx.split(
+            self.in_proj(u), [self.d_xb, self.d_xb + self.d_inner, 2 * self.d_xb + self.d_inner, 2 * (self.d_xb + self.d_inner)], axis=-1
+        )
+        x = expand_groups(x, n, r)
+        Bm = expand_groups(Bm, n, r).reshape(B_, L, -1, n)
+        Cm = Cm.reshape(B_, L, -1, n)
+        return x, z, Bm, Cm, self.dt_proj(dt) + self.dt_proj.bias
+
+    def __call__(self, u: mx.array, cache: StateCache, save=None) -> mx.array:
+        window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
+        x, z, Bm, Cm, dt = self.project(u)
+        x, window = self.conv1d(x, window)
+        x = nn.silu(x)
+        A = -mx.exp(self.A_log.astype(mx.float32)).T
+        y, states = selective_scan(x, nn.softplus(dt), A, Bm, Cm, self.D, state, _save_positions(u.shape[1], save))
+        cache.update([window, states[:, -1]], u.shape[1])
+        return self.out_proj(y * nn.silu(z))
+
+
+class Mamba2(nn.Module):
+    """MambaInLlama's Mamba2 layer: one dt and scalar A per head (heads of d_state channels),
+    convolution over [x, B, C] before KV-head expansion, and a gated RMSNorm per head."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.d_inner, self.d_xb, self.d_state = args.d_inner, args.d_xb, args.d_state
+        self.nheads = args.d_inner // args.d_state
+        self.repeats = args.d_inner // args.d_xb
+        self.eps = 1e-5
+        self.in_proj = nn.Linear(args.hidden_size, 2 * self.d_inner + 2 * self.d_xb + self.nheads, bias=False)
+        self.conv1d = CausalConv(self.d_inner + 2 * self.d_xb, args.d_conv, args.conv_bias)
+        self.dt_bias = mx.zeros((self.nheads,))
+        self.A_log = mx.zeros((self.nheads,))
+        self.D = mx.ones((self.nheads,))
+        self.norm = nn.RMSNorm(self.d_inner)  # weight only: normalized per head below
+        self.out_proj = nn.Linear(self.d_inner, args.hidden_size, bias=False)
+
+    def __call__(self, u: mx.array, cache: StateCache, save=None) -> mx.array:
+        B_, L, _ = u.shape
+        n, r = self.d_state, self.repeats
+        window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
+        z, xBC, dt = mx.split(self.in_proj(u), [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
+        xBC, window = self.conv1d(xBC, window)
+        x, Bm, Cm = mx.split(nn.silu(xBC), [self.d_xb, 2 * self.d_xb], axis=-1)
+        x = expand_groups(x, n, r)
+        Bm = expand_groups(Bm, n, r).reshape(B_, L, -1, n)
+        Cm = Cm.reshape(B_, L, -1, n)
+        # Per-head dt, A, D spread over the head's channels.
+        dt = mx.repeat(nn.softplus(dt + self.dt_bias), n, axis=-1)
+        A = mx.repeat(-mx.exp(self.A_log.astype(mx.float32)), n)[None]
+        D = mx.repeat(self.D, n)
+        y, states = selective_scan(x, dt, A, Bm, Cm, D, state, _save_positions(L, save))
+        cache.update([window, states[:, -1]], L)
+        y = (y * nn.silu(z)).reshape(B_, L, self.nheads, n)
+        y = mx.fast.rms_norm(y, None, self.eps).reshape(B_, L, -1) * self.norm.weight
+        return self.out_proj(y)
+
+
+def gated_linear_attention(q, k, v, g, state, chunk: int = 64):
+    """o_t = q_t S_t with S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t, per head, in chunks.
+
+    q, k, g: (batch, heads, L, dk); v: (batch, heads, L, dv); state: (batch, heads, dk, dv).
+    Within a chunk the decays enter as exp(b_t - b_s) for s <= t (b the cumulative log gate),
+    never as a ratio of two exponentials, so long chunks cannot overflow. Runs in float32.
+    """
+    q, k, v, g = (t.astype(mx.float32) for t in (q, k, v, g))
+    outs = []
+    for start in range(0, q.shape[2], chunk):
+        qc, kc, vc, gc = (t[:, :, start : start + chunk] for t in (q, k, v, g))
+        T = qc.shape[2]
+        b = mx.cumsum(gc, axis=2)
+        inter = (qc * mx.exp(b)) @ state
+        causal = mx.tril(mx.ones((T, T), mx.bool_))[:, :, None]
+        decay = mx.exp(mx.where(causal, b[:, :, :, None, :] - b[:, :, None, :, :], -mx.inf))
+        scores = (qc[:, :, :, None, :] * kc[:, :, None, :, :] * decay).sum(-1)
+        outs.append(inter + scores @ vc)
+        last = b[:, :, -1:, :]
+        state = mx.exp(last).swapaxes(2, 3) * state + (kc * mx.exp(last - b)).swapaxes(2, 3) @ vc
+    return mx.concatenate(outs, axis=2), state
+
+
+class DSLA(nn.Module):
+    """Dual-state linear attention: two gated linear-attention states with data-dependent forget
+    gates, mixed as q (gamma S1 + (1 - gamma) S2) (DSLA-Serve eq. 4-5), then a per-head RMSNorm.
+
+    q, k, v, o keep the attention's weights (q scaled by head_dim^-0.5, KV heads expanded), so an
+    attention-initialized DSLA layer with gates fixed at 1 is linearized attention. Gates are
+    GLA's: log g = logsigmoid(up(down(u))) / gate_norm, one per key feature and head.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = self.head_dim**-0.5
+        self.gate_norm = args.gate_norm
+        qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, qkv, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
+        width = self.n_heads * self.head_dim
+        self.gate1_down = nn.Linear(args.hidden_size, args.gate_rank, bias=False)
+        self.gate1_up = nn.Linear(args.gate_rank, width, bias=True)
+        self.gate2_down = nn.Linear(args.hidden_size, args.gate_rank, bias=False)
+        self.gate2_up = nn.Linear(args.gate_rank, width, bias=True)
+        self.gamma = mx.array([0.5])
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+
+    def _heads(self, t: mx.array) -> mx.array:
+        B, L, _ = t.shape
+        return t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+
+    def __call__(self, u: mx.array, cache: StateCache, save=None) -> mx.array:
+        B, L, _ = u.shape
+        qkv = self._heads(self.qkv_proj(u))
+        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+        r = self.n_heads // self.n_kv_heads
+        k, v = mx.repeat(k, r, axis=1), mx.repeat(v, r, axis=1)
+        q = q * self.scale
+        g1 = self._heads(nn.log_sigmoid(self.gate1_up(self.gate1_down(u)).astype(mx.float32)) / self.gate_norm)
+        g2 = self._heads(nn.log_sigmoid(self.gate2_up(self.gate2_down(u)).astype(mx.float32)) / self.gate_norm)
+        s1, s2 = cache.arrays or [mx.zeros((B, self.n_heads, self.head_dim, self.head_dim))] * 2
+        o1, s1 = gated_linear_attention(q, k, v, g1, s1)
+        o2, s2 = gated_linear_attention(q, k, v, g2, s2)
+        cache.update([s1, s2], L)
+        gamma = self.gamma.astype(mx.float32)
+        o = self.o_norm((gamma * o1 + (1 - gamma) * o2).astype(u.dtype))
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+MIXERS = {"attention": llama.Attention, "mamba": Mamba, "mamba2": Mamba2, "dsla": DSLA}
+
+
+class HybridLayer(nn.Module):
+    """A Llama decoder layer whose token mixer is attention, Mamba, Mamba2 or DSLA."""
+
+    def __init__(self, args: ModelArgs, kind: str):
+        super().__init__()
+        self.kind = kind
+        setattr(self, MIXER_NAME[kind], MIXERS[kind](args))
+        self.mlp = llama.MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self[MIXER_NAME[self.kind]]
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        h = x + self.mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(llama.Model):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        # Replaces the Llama layers built above (their weights were never materialized).
+        self.model.layers = [HybridLayer(args, kind) for kind in args.layer_types]
+
+    def make_cache(self) -> list:
+        return [
+            KVCache(self.args.sliding_window) if kind == "attention" else StateCache()
+            for kind in self.args.layer_types
+        ]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Fuse MambaInLlama's separate Mamba input projections, then the Llama fusions."""
+        for i, kind in enumerate(self.args.layer_types):
+            prefix = f"model.layers.{i}.mamba."
+            if kind == "mamba" and f"{prefix}in_proj_x.weight" in weights:
+                for param in ("weight", "scales", "biases"):
+                    names = [f"{prefix}{p}.{param}" for p in MAMBA_IN_PROJ]
+                    if all(n in weights for n in names):
+                        weights[f"{prefix}in_proj.{param}"] = mx.concatenate([weights.pop(n) for n in names])
+        return super().sanitize(weights)
+
+
+# MambaInLlama's Mamba input projections, in the order `Mamba.in_proj` concatenates them.
+MAMBA_IN_PROJ = ("in_proj_x", "in_proj_z", "B_proj", "C_proj", "dt_proj_down")
+# ssm_cfg options of the MambaInLlama layers whose other values change the computation, at the
+# values the released models use (and the only ones implemented here).
+MAMBA_FIXED = {"repeat_kv_before_conv": True, "proj_x_bias": False, "proj_z_bias": False, "out_proj_bias": False}
+MAMBA2_FIXED = {
+    "repeat_kv_before_conv": False,
+    "rmsnorm": True,
+    "norm_before_gate": False,
+    "D_has_hdim": False,
+    "bias": False,
+    "d_ssm": None,
+    "dt_limit": (0.0, float("inf")),
+}
+
+
+def config_from_mamba_in_llama(config: dict, mamba_config: dict, weight_names) -> dict:
+    """Our hybrid config from a MambaInLlama release: its Llama config.json plus mamba_config.json.
+
+    Which layers are Mamba and which Mamba2 is read off the tensor names (Mamba2 has one fused
+    in_proj), since mamba_config.json has the same fields for both.
+    """
+    ssm = dict(mamba_config.get("ssm_cfg") or {})
+    attn = set(mamba_config.get("attn_layers") or [])
+    n_layers = mamba_config.get("n_layer", config.get("num_hidden_layers"))
+    mamba2 = any(".mamba.in_proj.weight" in k for k in weight_names)
+    for key, value in (MAMBA2_FIXED if mamba2 else MAMBA_FIXED).items():
+        got = ssm.get(key, value)
+        if (tuple(got) if isinstance(got, list) else got) != value:
+            raise ValueError(f"mamba_config.json: ssm_cfg {key}={got} is not supported (only {value})")
+    d_model = mamba_config.get("d_model", config["hidden_size"])
+    d_inner = mamba_config.get("d_inner") or ssm.get("expand", 2) * d_model
+    d_state = ssm.get("d_state", 128 if mamba2 else 16)
+    if mamba2 and ssm.get("ngroups", d_inner // d_state) * d_state != d_inner:
+        raise ValueError(f"mamba_config.json: ngroups * d_state must equal d_inner ({d_inner})")
+    dt_rank = ssm.get("dt_rank", "auto")
+    return dict(
+        config,
+        model_type="llama_hybrid",
+        base_model_type=config.get("model_type"),
+        layer_types=["attention" if i in attn else ("mamba2" if mamba2 else "mamba") for i in range(n_layers)],
+        d_state=d_state,
+        d_conv=ssm.get("d_conv", 4),
+        d_inner=d_inner,
+        d_xb=mamba_config.get("d_xb"),
+        dt_rank=None if dt_rank == "auto" else dt_rank,
+        conv_bias=ssm.get("conv_bias", True),
+    )
