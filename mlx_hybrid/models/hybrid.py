@@ -94,10 +94,6 @@ class CausalConv(nn.Module):
         return out, xp[:, L:]
 
 
-def _save_positions(L: int, save) -> list[int]:
-    return [L - 1] if save is None else list(save)
-
-
 class Mamba(nn.Module):
     """MambaInLlama's Mamba layer: per-channel dt and A (d_inner x d_state), x gated by silu(z).
 
@@ -132,13 +128,13 @@ class Mamba(nn.Module):
         Cm = Cm.reshape(B_, L, -1, n)
         return x, z, Bm, Cm, self.dt_proj(dt) + self.dt_proj.bias
 
-    def __call__(self, u: mx.array, cache: StateCache, save=None) -> mx.array:
+    def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
         x, z, Bm, Cm, dt = self.project(u)
         x, window = self.conv1d(x, window)
         x = nn.silu(x)
         A = -mx.exp(self.A_log.astype(mx.float32)).T
-        y, states = selective_scan(x, nn.softplus(dt), A, Bm, Cm, self.D, state, _save_positions(u.shape[1], save))
+        y, states = selective_scan(x, nn.softplus(dt), A, Bm, Cm, self.D, state)
         cache.update([window, states[:, -1]], u.shape[1])
         return self.out_proj(y * nn.silu(z))
 
@@ -161,7 +157,7 @@ class Mamba2(nn.Module):
         self.norm = nn.RMSNorm(self.d_inner)  # weight only: normalized per head below
         self.out_proj = nn.Linear(self.d_inner, args.hidden_size, bias=False)
 
-    def __call__(self, u: mx.array, cache: StateCache, save=None) -> mx.array:
+    def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
         B_, L, _ = u.shape
         n, r = self.d_state, self.repeats
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
@@ -175,7 +171,7 @@ class Mamba2(nn.Module):
         dt = mx.repeat(nn.softplus(dt + self.dt_bias), n, axis=-1)
         A = mx.repeat(-mx.exp(self.A_log.astype(mx.float32)), n)[None]
         D = mx.repeat(self.D, n)
-        y, states = selective_scan(x, dt, A, Bm, Cm, D, state, _save_positions(L, save))
+        y, states = selective_scan(x, dt, A, Bm, Cm, D, state)
         cache.update([window, states[:, -1]], L)
         y = (y * nn.silu(z)).reshape(B_, L, self.nheads, n)
         y = mx.fast.rms_norm(y, None, self.eps).reshape(B_, L, -1) * self.norm.weight
@@ -234,7 +230,7 @@ class DSLA(nn.Module):
         B, L, _ = t.shape
         return t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, u: mx.array, cache: StateCache, save=None) -> mx.array:
+    def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
         B, L, _ = u.shape
         qkv = self._heads(self.qkv_proj(u))
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
