@@ -109,3 +109,81 @@ def _write_legacy_rope(file: Path):
     if rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = rope
     file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# Hybrid-layer fields of config.json besides d_inner, d_xb and dt_rank, which follow from the base config.
+HYBRID_DEFAULTS = dict(d_state=16, d_conv=4, conv_bias=True, gate_rank=16, gate_norm=16.0)
+
+
+def make_hybrid_dir(
+    path: Path, layer_types: list[str], layout: str = "ours", arch: str = "llama", seed: int = 0, **overrides
+):
+    """A hybrid model directory built by the PyTorch reference (tests/torch_hybrid.py); returns (path, torch model).
+
+    layout "mamba_in_llama" writes a MambaInLlama release: the base model's config.json plus their
+    mamba_config.json (their MambaConfig as train_distill.py fills it); it holds one SSM kind.
+    layout "ours" writes config.json with model_type "llama_hybrid" and layer_types, any mix of kinds.
+    Both store the same tensors (MambaInLlama's names). overrides go to the base config, except
+    the keys of HYBRID_DEFAULTS. Every weight, biases and norms included, is random.
+    """
+    import math
+
+    import torch
+    from safetensors.torch import save_file
+    from torch_hybrid import build_hybrid
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    ssm_kinds = set(layer_types) - {"attention"}
+    if layout not in ("ours", "mamba_in_llama"):
+        raise ValueError(layout)
+    if layout == "mamba_in_llama" and (len(ssm_kinds) > 1 or "dsla" in ssm_kinds):
+        raise ValueError(f"a MambaInLlama release holds one kind of mamba layer, not {sorted(ssm_kinds)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ssm = {k: overrides.pop(k, v) for k, v in HYBRID_DEFAULTS.items()}
+    tok = make_tokenizer(path)
+    cfg = dict(BASE_CONFIG, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg.update(num_hidden_layers=len(layer_types), **overrides)
+    torch.manual_seed(seed)
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    model = model_cls(config_cls(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p), alpha=0.08)
+    config = model.config
+    d_xb = config.num_key_value_heads * config.head_dim
+    ssm.update(d_inner=config.hidden_size, d_xb=d_xb, dt_rank=math.ceil(config.hidden_size / 16))
+    build_hybrid(model, layer_types, ssm)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(path / "model.safetensors"), {"format": "pt"})
+    config.save_pretrained(path)
+    if layout == "mamba_in_llama":
+        mamba2 = "mamba2" in ssm_kinds
+        if mamba2:  # train_mamba2/train_distill.py
+            ssm_cfg = {"expand": 1, "ngroups": config.num_attention_heads, "d_state": ssm["d_state"]}
+        else:  # train_mamba/train_distill.py; Mamba's own default d_state is 16
+            ssm_cfg = {"expand": 1} | ({} if ssm["d_state"] == 16 else {"d_state": ssm["d_state"]})
+        mamba_config = dict(
+            d_model=config.hidden_size,
+            ssm_cfg=ssm_cfg,
+            rms_norm_eps=config.rms_norm_eps,
+            vocab_size=None,
+            d_inner=config.hidden_size if mamba2 else None,
+            d_xb=d_xb,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            n_layer=len(layer_types),
+            attn_layers=[i for i, kind in enumerate(layer_types) if kind == "attention"],
+        )
+        (path / "mamba_config.json").write_text(json.dumps(mamba_config, indent=4))
+    else:
+        file = path / "config.json"
+        hybrid = json.loads(file.read_text())
+        hybrid.update(model_type="llama_hybrid", base_model_type=arch, layer_types=list(layer_types))
+        hybrid.update(ssm)  # d_state, d_conv, conv_bias, gate_rank, gate_norm, d_inner, d_xb, dt_rank
+        file.write_text(json.dumps(hybrid, indent=2, sort_keys=True) + "\n")
+    return path, model
