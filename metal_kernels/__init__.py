@@ -1,0 +1,1 @@
+"""Kernel sources (Metal and CUDA twins), installed as package data and read by mlx_hybrid.scan."""

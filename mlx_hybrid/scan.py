@@ -1,0 +1,161 @@
+"""Selective scan: the diagonal linear recurrence inside Mamba and Mamba2 layers.
+
+    h_t[n, c] = exp(dt_t[c] * A[n, c]) * h_{t-1}[n, c] + dt_t[c] * B_t[g(c), n] * x_t[c]
+    y_t[c]    = sum_n C_t[g(c), n] * h_t[n, c] + D[c] * x_t[c]
+
+over channels c (Mamba2 heads are runs of channels sharing dt and A), with B and C shared by
+the channels of a group, g(c) = c // (channels // groups). The state is laid out (batch, n,
+channels) so that neighbouring kernel threads, one per channel, read neighbouring addresses.
+
+One call advances a cached state over L tokens and returns the states after the positions in
+`save`: L = 1 is the decode step, a prompt chunk with save = [L-1] is prefill, and a draft with
+save = [j, L-1] is the multi-step verification of Algorithm 2 in "The Mamba in the Llama" (the
+state after the last accepted token, without materializing the others).
+
+`selective_scan_ref` is the ground truth and runs on every backend; `selective_scan` dispatches
+to the Metal or CUDA kernel in `metal_kernels/` when the default device has one.
+"""
+
+import functools
+from importlib import resources
+from typing import Sequence
+
+import mlx.core as mx
+
+
+def selective_scan_ref(
+    x: mx.array,
+    dt: mx.array,
+    A: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array,
+    state: mx.array,
+    save: Sequence[int] | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Pure-MLX selective scan, one token at a time (in float32).
+
+    x, dt: (batch, L, channels), dt already positive (softplus applied);
+    A: (1 or n, channels), negative; B, C: (batch, L, groups, n); D: (channels,);
+    state: (batch, n, channels) float32, the state before the first token;
+    save: positions in [0, L) whose states to return (default: the last).
+    Returns y (batch, L, channels) in x's dtype and the saved states (batch, len(save), n, channels).
+    """
+    b, L, d = x.shape
+    groups = B.shape[2]
+    save = [L - 1] if save is None else list(save)
+    # Broadcast group-shared B, C to channels: (b, L, n, channels).
+    expand = d // groups
+    Bc = mx.repeat(B.astype(mx.float32), expand, axis=2).transpose(0, 1, 3, 2)
+    Cc = mx.repeat(C.astype(mx.float32), expand, axis=2).transpose(0, 1, 3, 2)
+    xf, dtf, Af = x.astype(mx.float32), dt.astype(mx.float32), A.astype(mx.float32)
+    h = state.astype(mx.float32)
+    ys, saved = [], {}
+    for t in range(L):
+        h = mx.exp(dtf[:, t, None, :] * Af) * h + (dtf[:, t] * xf[:, t])[:, None, :] * Bc[:, t]
+        ys.append((Cc[:, t] * h).sum(axis=1))
+        if t in save:
+            saved[t] = h
+    y = mx.stack(ys, axis=1) + D.astype(mx.float32) * xf
+    return y.astype(x.dtype), mx.stack([saved[t] for t in save], axis=1)
+
+
+def _check_inputs(x, dt, A, B, C, D, state, save) -> list[int]:
+    """Raise ValueError on shapes, dtypes or save positions the kernels cannot take; return save."""
+    if x.ndim != 3:
+        raise ValueError(f"x must be (batch, L, channels), got shape {x.shape}")
+    b, L, d = x.shape
+    if dt.shape != x.shape:
+        raise ValueError(f"dt must have x's shape {x.shape}, got {dt.shape}")
+    if B.ndim != 4 or B.shape[:2] != (b, L):
+        raise ValueError(f"B must be (batch, L, groups, n) = ({b}, {L}, groups, n), got {B.shape}")
+    groups, n = B.shape[2], B.shape[3]
+    if C.shape != B.shape:
+        raise ValueError(f"C must have B's shape {B.shape}, got {C.shape}")
+    if groups == 0 or d % groups:
+        raise ValueError(f"channels ({d}) must be a multiple of groups ({groups})")
+    if A.shape not in ((1, d), (n, d)):
+        raise ValueError(f"A must be (1, {d}) or ({n}, {d}), got {A.shape}")
+    if D.shape != (d,):
+        raise ValueError(f"D must be ({d},), got {D.shape}")
+    if state.shape != (b, n, d):
+        raise ValueError(f"state must be (batch, n, channels) = ({b}, {n}, {d}), got {state.shape}")
+    floats = (mx.float32, mx.float16, mx.bfloat16)
+    for name, arr in (("x", x), ("dt", dt), ("B", B), ("C", C)):
+        if arr.dtype not in floats:
+            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {arr.dtype}")
+    if C.dtype != B.dtype:
+        raise ValueError(f"B and C must have the same dtype, got {B.dtype} and {C.dtype}")
+    save = [L - 1] if save is None else [int(p) for p in save]
+    if not save or any(not 0 <= p < L for p in save) or any(p >= q for p, q in zip(save, save[1:])):
+        raise ValueError(f"save must be non-empty, ascending, unique positions in [0, {L}), got {save}")
+    # The kernels index with 32-bit ints; the saved states are the largest array.
+    if max(x.size, B.size, b * len(save) * n * d) >= 2**31:
+        raise ValueError("selective_scan: arrays of 2**31 or more elements are not supported")
+    return save
+
+
+def kernel_backend() -> str | None:
+    """'metal' or 'cuda' when the default device is a GPU with that MLX backend, else None."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+@functools.cache
+def _kernel(backend: str):
+    """The mx.fast kernel object for 'metal' or 'cuda', built once from metal_kernels/."""
+    suffix, make = {"metal": (".metal", mx.fast.metal_kernel), "cuda": (".cu", mx.fast.cuda_kernel)}[backend]
+    source = resources.files("mlx_hybrid.metal_kernels").joinpath("selective_scan" + suffix).read_text()
+    return make(
+        name="selective_scan",
+        input_names=["x", "dt", "A", "B", "C", "D", "state", "save"],
+        output_names=["y", "states"],
+        source=source,
+    )
+
+
+def selective_scan_kernel(x, dt, A, B, C, D, state, save=None, *, backend: str):
+    """`selective_scan` on the 'metal' or 'cuda' kernel explicitly (the parity tests call this)."""
+    return _launch(backend, x, dt, A, B, C, D, state, _check_inputs(x, dt, A, B, C, D, state, save))
+
+
+def selective_scan(x, dt, A, B, C, D, state, save=None):
+    """`selective_scan_ref`'s signature and results, on the Metal or CUDA kernel when the default
+    device is a GPU with one, else on `selective_scan_ref`.
+
+    Unlike the reference, `save` must be non-empty, ascending and unique (the kernel writes the
+    states in one pass over the tokens); this is checked on every backend, so code that runs on
+    the CPU runs unchanged on the GPU.
+    """
+    save = _check_inputs(x, dt, A, B, C, D, state, save)
+    backend = kernel_backend()
+    if backend is None:
+        return selective_scan_ref(x, dt, A, B, C, D, state, save)
+    return _launch(backend, x, dt, A, B, C, D, state, save)
+
+
+def _launch(backend, x, dt, A, B, C, D, state, save):
+    """Run the kernel on checked inputs: one GPU thread per (batch, channel) walks the whole
+    sequence with its state column in registers (metal_kernels/selective_scan.cu)."""
+    b, L, d = x.shape
+    n = B.shape[3]
+    y, states = _kernel(backend)(
+        inputs=[x, dt, A.astype(mx.float32), B, C, D.astype(mx.float32), state.astype(mx.float32),
+                mx.array(save, dtype=mx.int32)],
+        # T, Tdt, Tbc name every input dtype: MLX caches a compiled CUDA kernel by its name,
+        # which holds the template arguments only.
+        template=[("T", x.dtype), ("Tdt", dt.dtype), ("Tbc", B.dtype), ("N", n), ("NA", A.shape[0])],
+        grid=(d, b, 1),
+        # Small threadgroups: at N = 128 a thread holds ~170 registers, so a 256-thread group
+        # takes most of an SM's register file; 64-thread groups keep more warps resident (on an
+        # H100: multi-step calls 17-26% faster, large decode steps up to 8%; benchmarks/README.md).
+        threadgroup=(min(64, d), 1, 1),
+        output_shapes=[x.shape, (b, len(save), n, d)],
+        output_dtypes=[x.dtype, mx.float32],
+    )
+    return y, states

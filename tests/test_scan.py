@@ -1,0 +1,182 @@
+"""Selective scan: the MLX reference against a float64 numpy loop, and the GPU kernels against
+the reference.
+
+The kernel parity tests call `selective_scan_kernel` with an explicit backend, so that a
+machine without the kernel skips them instead of silently comparing the reference to itself.
+"""
+
+import itertools
+from importlib import resources
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_hybrid.scan import selective_scan, selective_scan_kernel, selective_scan_ref
+
+# Float32 reference vs float64 loop: O(1) values, float32 rounding over at most 9 tokens.
+REF_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def make_inputs(batch, L, channels, groups, n, na, dtype=mx.float32, seed=0):
+    """Mamba-like magnitudes: dt in (0.001, 0.1) after softplus, A = -exp(U(0, 2.5))."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, L, channels))
+    dt = np.log1p(np.exp(rng.uniform(-7, -2.3, (batch, L, channels))))
+    A = -np.exp(rng.uniform(0, 2.5, (na, channels)))
+    B = rng.standard_normal((batch, L, groups, n))
+    C = rng.standard_normal((batch, L, groups, n))
+    D = rng.standard_normal(channels)
+    state = rng.standard_normal((batch, n, channels))
+
+    def cast(a, to):
+        return mx.array(a.astype(np.float32)).astype(to)
+
+    return (cast(x, dtype), cast(dt, dtype), cast(A, mx.float32), cast(B, dtype), cast(C, dtype),
+            cast(D, mx.float32), cast(state, mx.float32))
+
+
+def numpy_scan(x, dt, A, B, C, D, state, save):
+    """The recurrence written out per channel and state row, in float64."""
+    x, dt, A, B, C, D, h = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (x, dt, A, B, C, D, state))
+    batch, L, channels = x.shape
+    n = B.shape[3]
+    per_group = channels // B.shape[2]
+    h = h.copy()
+    y = np.zeros_like(x)
+    saved = {}
+    for t in range(L):
+        for c in range(channels):
+            g = c // per_group
+            for k in range(n):
+                a = A[0 if A.shape[0] == 1 else k, c]
+                h[:, k, c] = np.exp(dt[:, t, c] * a) * h[:, k, c] + dt[:, t, c] * B[:, t, g, k] * x[:, t, c]
+            y[:, t, c] = (C[:, t, g, :] * h[:, :, c]).sum(axis=1) + D[c] * x[:, t, c]
+        saved[t] = h.copy()
+    return y, np.stack([saved[t] for t in save], axis=1)
+
+
+@pytest.mark.parametrize(
+    "batch,L,channels,groups,n,na,save",
+    [
+        (1, 1, 8, 1, 4, 1, None),
+        (2, 1, 12, 3, 4, 4, None),
+        (2, 5, 8, 1, 6, 6, [0, 4]),
+        (1, 9, 12, 4, 3, 1, [2, 5, 8]),
+        (3, 4, 6, 2, 5, 1, [3, 1]),  # the reference keeps any order
+    ],
+)
+def test_reference_matches_float64_loop(batch, L, channels, groups, n, na, save):
+    args = make_inputs(batch, L, channels, groups, n, na)
+    y, states = selective_scan_ref(*args, save=save)
+    y64, states64 = numpy_scan(*args, save=[L - 1] if save is None else save)
+    np.testing.assert_allclose(np.array(y), y64, **REF_TOL)
+    np.testing.assert_allclose(np.array(states), states64, **REF_TOL)
+
+
+def test_chunks_carry_the_state_and_saves_equal_prefix_scans():
+    x, dt, A, B, C, D, state = make_inputs(2, 10, 8, 2, 4, 4, seed=1)
+    y, states = selective_scan_ref(x, dt, A, B, C, D, state, save=[3, 9])
+    y1, s1 = selective_scan_ref(x[:, :4], dt[:, :4], A, B[:, :4], C[:, :4], D, state)
+    y2, s2 = selective_scan_ref(x[:, 4:], dt[:, 4:], A, B[:, 4:], C[:, 4:], D, s1[:, 0])
+    # Same float32 operations in the same order: equal up to rounding of fused ops.
+    np.testing.assert_allclose(np.array(y), np.concatenate([np.array(y1), np.array(y2)], axis=1), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.array(states[:, 0]), np.array(s1[:, 0]), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.array(states[:, 1]), np.array(s2[:, 0]), atol=1e-6, rtol=1e-6)
+
+
+def test_dispatch_matches_reference():
+    """On the CPU `selective_scan` runs `selective_scan_ref` itself, so this checks the argument
+    plumbing; on a GPU with a kernel it is a parity test of the dispatched kernel."""
+    args = make_inputs(2, 6, 16, 4, 8, 1, seed=2)
+    y, states = selective_scan(*args, save=[2, 5])
+    y_ref, states_ref = selective_scan_ref(*args, save=[2, 5])
+    np.testing.assert_allclose(np.array(y), np.array(y_ref), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.array(states), np.array(states_ref), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(save=[3, 1]), "ascending"),
+        (dict(save=[2, 2]), "ascending"),
+        (dict(save=[6]), r"in \[0, 6\)"),
+        (dict(save=[]), "non-empty"),
+        (dict(A=mx.zeros((3, 16))), "A must be"),
+        (dict(state=mx.zeros((2, 16, 8))), "state must be"),
+        (dict(B=mx.zeros((2, 6, 3, 8))), "multiple of groups"),
+        (dict(x=mx.zeros((2, 6, 16), dtype=mx.int32)), "float32, float16 or bfloat16"),
+    ],
+)
+def test_bad_arguments_raise(change, message):
+    names = ["x", "dt", "A", "B", "C", "D", "state"]
+    kwargs = dict(zip(names, make_inputs(2, 6, 16, 4, 8, 1)), save=[5])
+    if "B" in change:
+        kwargs["C"] = change["B"]
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=message):
+        selective_scan(**kwargs)
+
+
+def test_kernel_twins_stay_parallel():
+    """What is proven on CUDA carries over to Metal only while the bodies match line for line."""
+    src = resources.files("mlx_hybrid.metal_kernels")
+    cu = src.joinpath("selective_scan.cu").read_text().splitlines()
+    metal = src.joinpath("selective_scan.metal").read_text().splitlines()
+    assert len(cu) == len(metal)
+    to_metal = [
+        ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
+        ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
+        ("expf(", "metal::exp("),
+    ]
+    for i, (a, b) in enumerate(zip(cu, metal), 1):
+        if a.startswith("//"):
+            continue
+        for old, new in to_metal:
+            a = a.replace(old, new)
+        assert a == b, f"line {i} differs beyond the CUDA/Metal spellings"
+
+
+# ----------------------------------------------------------------------------- GPU parity
+
+# (atol, rtol) for y; saved states are float32 in every case and use the float32 pair. Half
+# types are compared with the reference run on the same half inputs, so the only difference
+# left is the rounding of y to the half type (up to one ulp: 2**-10 fp16, 2**-7 bf16).
+PARITY_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (1e-2, 1e-2), mx.bfloat16: (2e-2, 2e-2)}
+PARITY_SHAPES = list(
+    itertools.product([16, 64, 128], [1, 4], ["1", "n"], [1, 7, 300], [1, 3])  # n, groups, NA, L, batch
+)
+CHANNELS = 300  # not a multiple of the 64-thread threadgroup: the last group is partial
+
+
+def check_parity(backend, dtype):
+    atol, rtol = PARITY_TOL[dtype]
+    worst_y = worst_s = used = 0.0
+    for n, groups, na, L, batch in PARITY_SHAPES:
+        args = make_inputs(batch, L, CHANNELS, groups, n, 1 if na == "1" else n, dtype, seed=n + L + batch)
+        save = [L - 1] if L == 1 else [L // 2, L - 1]
+        with mx.stream(mx.gpu):
+            y, states = selective_scan_kernel(*args, save=save, backend=backend)
+            y_ref, states_ref = selective_scan_ref(*args, save=save)
+        y, y_ref = np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32))
+        states, states_ref = np.array(states), np.array(states_ref)
+        case = f"{dtype} n={n} groups={groups} NA={na} L={L} batch={batch}"
+        np.testing.assert_allclose(y, y_ref, atol=atol, rtol=rtol, err_msg=case)
+        np.testing.assert_allclose(states, states_ref, atol=1e-4, rtol=1e-4, err_msg=case)
+        worst_y = max(worst_y, float(np.abs(y - y_ref).max()))
+        worst_s = max(worst_s, float(np.abs(states - states_ref).max()))
+        used = max(used, float((np.abs(y - y_ref) / (atol + rtol * np.abs(y_ref))).max()))
+    print(f"\n{backend} {dtype}: {len(PARITY_SHAPES)} shapes, max |y - ref| {worst_y:.3g} "
+          f"(at most {used:.0%} of the tolerance), max |state - ref| {worst_s:.3g}")
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="Metal not available (needs an Apple-silicon Mac)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_metal_kernel_matches_reference(dtype):
+    check_parity("metal", dtype)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX CUDA backend not available")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_cuda_kernel_matches_reference(dtype):
+    check_parity("cuda", dtype)
