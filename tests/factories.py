@@ -122,7 +122,7 @@ def make_hybrid_dir(
 
     layout "mamba_in_llama" writes a MambaInLlama release: the base model's config.json plus their
     mamba_config.json (their MambaConfig as train_distill.py fills it); it holds one SSM kind.
-    layout "ours" writes config.json with model_type "llama_hybrid" and layer_types, any mix of kinds.
+    layout "ours" writes config.json with model_type "llama_hybrid" and mixer_types, any mix of kinds.
     Both store the same tensors (MambaInLlama's names). overrides go to the base config, except
     the keys of HYBRID_DEFAULTS. Every weight, biases and norms included, is random.
     """
@@ -183,7 +183,7 @@ def make_hybrid_dir(
     else:
         file = path / "config.json"
         hybrid = json.loads(file.read_text())
-        hybrid.update(model_type="llama_hybrid", base_model_type=arch, layer_types=list(layer_types))
+        hybrid.update(model_type="llama_hybrid", base_model_type=arch, mixer_types=list(layer_types))
         hybrid.update(ssm)  # d_state, d_conv, conv_bias, gate_rank, gate_norm, d_inner, d_xb, dt_rank
         file.write_text(json.dumps(hybrid, indent=2, sort_keys=True) + "\n")
     return path, model

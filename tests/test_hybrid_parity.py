@@ -116,7 +116,7 @@ def test_both_layouts_give_the_same_model(case, tmp_path, name):
     _, model, _, _ = case(name)
     ours, _ = make_hybrid_dir(tmp_path, layer_types, "ours", arch, seed=1, **overrides)
     other = load_model(ours, "float32")
-    assert other.args.layer_types == model.args.layer_types == layer_types
+    assert other.args.mixer_types == model.args.mixer_types == layer_types
     for field in ("d_state", "d_inner", "d_xb", "dt_rank", "d_conv"):
         assert getattr(other.args, field) == getattr(model.args, field), field
     np.testing.assert_array_equal(np.array(other(mx.array([PROMPT]))), np.array(model(mx.array([PROMPT]))))
@@ -165,21 +165,11 @@ def test_quirks_move_the_logits(case, drop_quirk):
 GEN_TOKENS = 12
 
 
-def _tokenizer(path):
-    """The tokenizer `mlx_hybrid.load` returns, read without handing config.json to transformers (see
-    test_load_model_and_tokenizer: transformers 5 rejects our layer_types when AutoTokenizer reads it)."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from transformers import AutoConfig
-
-    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
-    return load_tokenizer(path, {"config": AutoConfig.for_model("llama")}, eos_token_ids=[eos])
-
-
 @pytest.mark.parametrize("name", ["mamba2", "mixed"])
 def test_greedy_generation_matches_reference(case, name):
     """mlx_hybrid's pipelined, cached greedy decode picks the tokens of argmax over full reference forwards."""
     path, model, reference, _ = case(name)
-    tokenizer = _tokenizer(path)
+    _, tokenizer = load(path, "float32")
     ids = tokenizer.encode("Hybrid models replace some attention layers")
     eos = set(tokenizer.eos_token_ids)
     expected, seq = [], list(ids)
@@ -191,26 +181,14 @@ def test_greedy_generation_matches_reference(case, name):
     assert generate(model, tokenizer, ids, max_tokens=GEN_TOKENS) == tokenizer.decode(expected)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "mamba",  # MambaInLlama layout: config.json is a plain Llama config
-        pytest.param(
-            "mixed",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=HybridError,
-                reason="loader bug: load_tokenizer lets transformers 5 parse config.json, whose PreTrainedConfig "
-                "rejects layer_types entries 'dsla' and 'mamba2' (validate_layer_type)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("name", ["mamba", "mixed"])  # MambaInLlama layout, ours
 def test_load_model_and_tokenizer(case, name):
     """`mlx_hybrid.load` on a hybrid directory: the model of load_model and its tokenizer."""
     path, expected_model, _, _ = case(name)
     model, tokenizer = load(path, "float32")
-    assert tokenizer.encode("Hybrid models") == _tokenizer(path).encode("Hybrid models")
+    from transformers import AutoTokenizer  # reads config.json too: our fields must not upset it
+
+    assert tokenizer.encode("Hybrid models") == AutoTokenizer.from_pretrained(path).encode("Hybrid models")
     np.testing.assert_array_equal(np.array(model(mx.array([PROMPT]))), np.array(expected_model(mx.array([PROMPT]))))
 
 
@@ -225,7 +203,7 @@ def test_attention_initialized_mamba_is_linearized_attention(case):
     W = {n: getattr(attn, n).weight.detach().numpy() for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
     heads, kv, hd, hidden = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
     args = hybrid.ModelArgs.from_dict(
-        dict(config.to_dict(), model_type="llama_hybrid", layer_types=["mamba"] * config.num_hidden_layers, d_state=hd)
+        dict(config.to_dict(), model_type="llama_hybrid", mixer_types=["mamba"] * config.num_hidden_layers, d_state=hd)
     )
     mamba = hybrid.Mamba(args)
     rng = np.random.default_rng(2)
@@ -276,13 +254,13 @@ def test_unsupported_ssm_cfg_option(case, tmp_path, name, option):
 @pytest.mark.parametrize(
     "layer_types,message",
     [
-        (["dsla", "attention", "mamba2"], "layer_types lists 3 layers but num_hidden_layers is 4"),
+        (["dsla", "attention", "mamba2"], "mixer_types lists 3 layers but num_hidden_layers is 4"),
         (["dsla", "attention", "rwkv", "mamba"], "unknown layer type 'rwkv'"),
     ],
 )
 def test_bad_layer_types(case, tmp_path, layer_types, message):
     path = shutil.copytree(case("mixed")[0], tmp_path / "mixed")
-    _edit_json(path / "config.json", lambda c: c.update(layer_types=layer_types))
+    _edit_json(path / "config.json", lambda c: c.update(mixer_types=layer_types))
     with pytest.raises(HybridError, match=message) as e:
         load_model(path)
     assert "\n" not in str(e.value)

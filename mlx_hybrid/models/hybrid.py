@@ -31,7 +31,7 @@ FP32_PARAMS = ("A_log", "D", "dt_bias", "gamma")
 @dataclass
 class ModelArgs(llama.ModelArgs):
     base_model_type: str = "llama"  # llama or mistral (sliding-window attention layers)
-    layer_types: list[str] | None = None
+    mixer_types: list[str] | None = None
     d_state: int = 16  # SSM state per channel (Mamba2: also the head size)
     d_conv: int = 4
     d_inner: int | None = None  # SSM channels; default hidden_size
@@ -45,12 +45,12 @@ class ModelArgs(llama.ModelArgs):
         window = self.sliding_window if self.base_model_type == "mistral" else None
         super().__post_init__()
         self.sliding_window = window
-        self.layer_types = self.layer_types or ["attention"] * self.num_hidden_layers
-        if len(self.layer_types) != self.num_hidden_layers:
+        self.mixer_types = self.mixer_types or ["attention"] * self.num_hidden_layers
+        if len(self.mixer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is {self.num_hidden_layers}"
+                f"mixer_types lists {len(self.mixer_types)} layers but num_hidden_layers is {self.num_hidden_layers}"
             )
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        unknown = sorted(set(self.mixer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"unknown layer type '{unknown[0]}' (known: {', '.join(LAYER_TYPES)})")
         self.d_inner = self.d_inner or self.hidden_size
@@ -275,17 +275,17 @@ class Model(llama.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         # Replaces the Llama layers built above (their weights were never materialized).
-        self.model.layers = [HybridLayer(args, kind) for kind in args.layer_types]
+        self.model.layers = [HybridLayer(args, kind) for kind in args.mixer_types]
 
     def make_cache(self) -> list:
         return [
             KVCache(self.args.sliding_window) if kind == "attention" else StateCache()
-            for kind in self.args.layer_types
+            for kind in self.args.mixer_types
         ]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Fuse MambaInLlama's separate Mamba input projections, then the Llama fusions."""
-        for i, kind in enumerate(self.args.layer_types):
+        for i, kind in enumerate(self.args.mixer_types):
             prefix = f"model.layers.{i}.mamba."
             if kind == "mamba" and f"{prefix}in_proj_x.weight" in weights:
                 for param in ("weight", "scales", "biases"):
@@ -335,7 +335,7 @@ def config_from_mamba_in_llama(config: dict, mamba_config: dict, weight_names) -
         config,
         model_type="llama_hybrid",
         base_model_type=config.get("model_type"),
-        layer_types=["attention" if i in attn else ("mamba2" if mamba2 else "mamba") for i in range(n_layers)],
+        mixer_types=["attention" if i in attn else ("mamba2" if mamba2 else "mamba") for i in range(n_layers)],
         d_state=d_state,
         d_conv=ssm.get("d_conv", 4),
         d_inner=d_inner,
