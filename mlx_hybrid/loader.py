@@ -118,12 +118,19 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     return model
 
 
-def load_tokenizer(path: str | Path, eos_token_ids=None) -> TokenizerWrapper:
+def load_tokenizer(path: str | Path, eos_token_ids=None, base_model_type: str | None = None) -> TokenizerWrapper:
+    """The tokenizer in path; base_model_type hands transformers that config instead of config.json
+    (a hybrid's model_type is unknown to it and draws a warning)."""
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise HybridError(f"no tokenizer in {path} (expected {' or '.join(TOKENIZER_FILES)})")
     try:
-        return load_tokenizer_wrapper(path, eos_token_ids=eos_token_ids)
+        extra = None
+        if base_model_type:
+            from transformers import AutoConfig
+
+            extra = {"config": AutoConfig.for_model(base_model_type)}
+        return load_tokenizer_wrapper(path, tokenizer_config_extra=extra, eos_token_ids=eos_token_ids)
     except Exception as e:
         raise HybridError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
 
@@ -133,5 +140,6 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, Tokeniz
     model = load_model(path, dtype)
     config = json.loads((Path(path) / "config.json").read_text())
     eos = config.get("eos_token_id")
-    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos)
+    base = config.get("base_model_type", "llama") if config.get("model_type") == "llama_hybrid" else None
+    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos, base)
     return model, tokenizer
