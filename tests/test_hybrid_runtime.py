@@ -16,6 +16,7 @@ from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.cli.main import main
 from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load
+from mlx_hybrid.scan import kernel_backend, selective_scan_ref
 
 KINDS = ["attention", "mamba", "dsla", "mamba2"]
 
@@ -120,3 +121,25 @@ def test_quantized_hybrid_error(hybrid_dir, loaded):
         if bits == 8:
             assert err[8] < 0.08 and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9, err
     assert 8 < err[4] / err[8] < 30, err
+
+
+@pytest.mark.skipif(kernel_backend() is None, reason="no GPU kernel backend (Metal or MLX CUDA) on this device")
+def test_model_with_scan_kernel_matches_reference(loaded, monkeypatch):
+    """The whole hybrid with the GPU selective-scan kernel vs the same model with the pure-MLX scan.
+
+    Both runs share every matmul (TF32 on CUDA included), so only the scan differs: atol 1e-4.
+    Prefill in chunks, then single-token steps, to cover both ways the kernel is called.
+    """
+    from mlx_hybrid.models import hybrid
+
+    model, _ = loaded
+    tokens = mx.array([[5, 17, 42, 9, 33, 21, 7, 60, 11, 3] * 4])
+
+    def run():
+        cache = model.make_cache()
+        parts = [model(tokens[:, :25], cache)] + [model(tokens[:, t : t + 1], cache) for t in range(25, 40)]
+        return np.array(mx.concatenate(parts, axis=1))
+
+    with_kernel = run()
+    monkeypatch.setattr(hybrid, "selective_scan", selective_scan_ref)
+    np.testing.assert_allclose(with_kernel, run(), atol=1e-4, rtol=0)
