@@ -127,8 +127,11 @@ def test_quantized_hybrid_error(hybrid_dir, loaded):
 def test_model_with_scan_kernel_matches_reference(loaded, monkeypatch):
     """The whole hybrid with the GPU selective-scan kernel vs the same model with the pure-MLX scan.
 
-    Both runs share every matmul (TF32 on CUDA included), so only the scan differs: atol 1e-4.
-    Prefill in chunks, then single-token steps, to cover both ways the kernel is called.
+    Only the scan differs (float32 in both, different summation order: ~1e-6). On Metal the
+    matmuls are plain float32, so atol 1e-4. MLX's CUDA backend runs float32 matmuls in TF32
+    (10-bit mantissa), which turns a 1e-6 change of a matmul input into an up to ~5e-4 relative
+    change of its output, compounded over the layers: there, |diff| <= 1e-2 * max|logit|, and the
+    top-1 token must agree everywhere. Prefill in chunks, then single-token steps.
     """
     from mlx_hybrid.models import hybrid
 
@@ -142,4 +145,9 @@ def test_model_with_scan_kernel_matches_reference(loaded, monkeypatch):
 
     with_kernel = run()
     monkeypatch.setattr(hybrid, "selective_scan", selective_scan_ref)
-    np.testing.assert_allclose(with_kernel, run(), atol=1e-4, rtol=0)
+    reference = run()
+    diff = np.abs(with_kernel - reference).max()
+    print(f"max |kernel - reference| logit difference: {diff:.3g} (max |logit| {np.abs(reference).max():.3g})")
+    atol = 1e-4 if kernel_backend() == "metal" else 1e-2 * np.abs(reference).max()
+    assert diff <= atol
+    assert (with_kernel.argmax(-1) == reference.argmax(-1)).all()

@@ -71,6 +71,52 @@ def expand_groups(t: mx.array, size: int, repeats: int) -> mx.array:
     return mx.repeat(t.reshape(*lead, d // size, 1, size), repeats, axis=-2).reshape(*lead, d * repeats)
 
 
+# Decode steps are chains of small ops; compiling the elementwise stretches between the matmuls
+# and the scan fuses them into a few kernels (integer arguments are compile-time constants).
+
+
+@mx.compile
+def _depthwise_conv(xp: mx.array, w: mx.array) -> mx.array:
+    """sum_k xp[:, t + k] * w[:, k] for t < L, over padded input xp (batch, L + K - 1, C)."""
+    K = w.shape[-1]
+    L = xp.shape[1] - K + 1
+    return sum(xp[:, k : k + L] * w[:, k] for k in range(K))
+
+
+@mx.compile
+def _mamba_inputs(proj, d_xb: int, d_inner: int, n: int, r: int):
+    """Split Mamba's fused projection into x, z, B, C, dt_low, expanding x and B by d_state runs."""
+    B_, L, _ = proj.shape
+    x, z, Bm, Cm, dt = mx.split(proj, [d_xb, d_xb + d_inner, 2 * d_xb + d_inner, 2 * (d_xb + d_inner)], axis=-1)
+    Bm = expand_groups(Bm, n, r).reshape(B_, L, -1, n)
+    return expand_groups(x, n, r), z, Bm, Cm.reshape(B_, L, -1, n), dt
+
+
+@mx.compile
+def _mamba2_inputs(xBC, dt, dt_bias, A_log, D, d_xb: int, n: int, r: int):
+    """x, B, C (KV groups expanded) and per-channel dt, A, D from Mamba2's convolved projection."""
+    B_, L, _ = xBC.shape
+    x, Bm, Cm = mx.split(nn.silu(xBC), [d_xb, 2 * d_xb], axis=-1)
+    x = expand_groups(x, n, r)
+    Bm = expand_groups(Bm, n, r).reshape(B_, L, -1, n)
+    dt = mx.repeat(nn.softplus(dt + dt_bias), n, axis=-1)
+    A = mx.repeat(-mx.exp(A_log.astype(mx.float32)), n)[None]
+    return x, Bm, Cm.reshape(B_, L, -1, n), dt, A, mx.repeat(D, n)
+
+
+@mx.compile
+def _gated_rms_norm(y, z, weight, n: int, eps: float):
+    """RMSNorm of y * silu(z) over each run of n channels (a Mamba2 head), times weight."""
+    B_, L, d = y.shape
+    y = (y * nn.silu(z)).reshape(B_, L, d // n, n)
+    return mx.fast.rms_norm(y, None, eps).reshape(B_, L, d) * weight
+
+
+@mx.compile
+def _silu_gate(y, z):
+    return y * nn.silu(z)
+
+
 class CausalConv(nn.Module):
     """Depthwise causal convolution over time, weights in PyTorch's Conv1d layout (C, 1, K)."""
 
@@ -87,8 +133,7 @@ class CausalConv(nn.Module):
         if window is None:
             window = mx.zeros((B, K - 1, C), x.dtype)
         xp = mx.concatenate([window.astype(x.dtype), x], axis=1)
-        w = self.weight[:, 0, :].astype(x.dtype)
-        out = sum(xp[:, k : k + L] * w[:, k] for k in range(K))
+        out = _depthwise_conv(xp, self.weight[:, 0, :].astype(x.dtype))
         if "bias" in self:
             out = out + self.bias.astype(x.dtype)
         return out, xp[:, L:]
@@ -118,14 +163,7 @@ class Mamba(nn.Module):
 
     def project(self, u: mx.array):
         """x, z, B, C, dt (pre-softplus) for input u, KV groups expanded (see the class docstring)."""
-        B_, L, _ = u.shape
-        n, r = self.d_state, self.repeats
-        x, z, Bm, Cm, dt = mx.split(
-            self.in_proj(u), [self.d_xb, self.d_xb + self.d_inner, 2 * self.d_xb + self.d_inner, 2 * (self.d_xb + self.d_inner)], axis=-1
-        )
-        x = expand_groups(x, n, r)
-        Bm = expand_groups(Bm, n, r).reshape(B_, L, -1, n)
-        Cm = Cm.reshape(B_, L, -1, n)
+        x, z, Bm, Cm, dt = _mamba_inputs(self.in_proj(u), self.d_xb, self.d_inner, self.d_state, self.repeats)
         return x, z, Bm, Cm, self.dt_proj(dt) + self.dt_proj.bias
 
     def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
@@ -136,7 +174,7 @@ class Mamba(nn.Module):
         A = -mx.exp(self.A_log.astype(mx.float32)).T
         y, states = selective_scan(x, nn.softplus(dt), A, Bm, Cm, self.D, state)
         cache.update([window, states[:, -1]], u.shape[1])
-        return self.out_proj(y * nn.silu(z))
+        return self.out_proj(_silu_gate(y, z))
 
 
 class Mamba2(nn.Module):
@@ -163,21 +201,13 @@ class Mamba2(nn.Module):
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
         z, xBC, dt = mx.split(self.in_proj(u), [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
         xBC, window = self.conv1d(xBC, window)
-        x, Bm, Cm = mx.split(nn.silu(xBC), [self.d_xb, 2 * self.d_xb], axis=-1)
-        x = expand_groups(x, n, r)
-        Bm = expand_groups(Bm, n, r).reshape(B_, L, -1, n)
-        Cm = Cm.reshape(B_, L, -1, n)
-        # Per-head dt, A, D spread over the head's channels.
-        dt = mx.repeat(nn.softplus(dt + self.dt_bias), n, axis=-1)
-        A = mx.repeat(-mx.exp(self.A_log.astype(mx.float32)), n)[None]
-        D = mx.repeat(self.D, n)
+        x, Bm, Cm, dt, A, D = _mamba2_inputs(xBC, dt, self.dt_bias, self.A_log, self.D, self.d_xb, n, r)
         y, states = selective_scan(x, dt, A, Bm, Cm, D, state)
         cache.update([window, states[:, -1]], L)
-        y = (y * nn.silu(z)).reshape(B_, L, self.nheads, n)
-        y = mx.fast.rms_norm(y, None, self.eps).reshape(B_, L, -1) * self.norm.weight
-        return self.out_proj(y)
+        return self.out_proj(_gated_rms_norm(y, z, self.norm.weight, n, self.eps))
 
 
+@mx.compile
 def gated_linear_attention(q, k, v, g, state, chunk: int = 64):
     """o_t = q_t S_t with S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t, per head, in chunks.
 
