@@ -159,6 +159,42 @@ def generate(
         err.print(f"[dim]{_stats(r)}[/]")
 
 
+@app.command()
+def convert(
+    src: Path = typer.Argument(..., help="Checkpoint directory: Hugging Face Llama/Mistral, MambaInLlama release or llama_hybrid."),
+    dst: Path = typer.Argument(..., help="MLX model directory to write."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32. Default: as stored."),
+    quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the linear layers and embeddings."),
+    bits: int = typer.Option(4, "--bits", help="Bits per quantized weight: 4 or 8."),
+    group_size: int = typer.Option(64, "--group-size", help="Weights sharing one scale: 32, 64 or 128."),
+    recipe: str = typer.Option(
+        "uniform", "--quant-recipe", help="uniform, or mixed: embeddings, LM head and SSM dt/gates stay float."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace DST if it exists."),
+    verify: bool = typer.Option(False, "--verify", help="Compare source (PyTorch) and converted logits on sample prompts."),
+):
+    """Convert a PyTorch/Hugging Face checkpoint into an MLX model directory that --model takes."""
+    from rich.progress import Progress
+
+    from mlx_hybrid.convert.hf import convert as convert_checkpoint
+
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("Converting tensors", total=None)
+        convert_checkpoint(
+            src, dst, dtype, quantize, bits, group_size, recipe, force,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
+    quant = f", {bits}-bit {recipe} (group size {group_size})" if quantize else ""
+    out.print(f"Wrote {dst}{quant}", markup=False)
+    if verify:
+        from mlx_hybrid.convert.checkpoint import open_checkpoint
+        from mlx_hybrid.convert.verify import verify as verify_conversion
+
+        with err.status("Verifying against the PyTorch source ..."):
+            result = verify_conversion(open_checkpoint(src), dst)
+        out.print(f"verify: {result}", markup=False, soft_wrap=True)
+
+
 def main():
     """Entry point: runs the app and turns every user error into one line on stderr."""
     command = typer.main.get_command(app)
