@@ -5,10 +5,11 @@ One process, one backend, one set of Llama weights: mlx-lm's Llama, this runtime
 this runtime's hybrids of the same shape, whose recurrent layers replace every other attention
 layer (Mamba2 and Mamba, attention-initialized shapes, random weights) plus an all-Mamba2 model
 as the flat baseline. For each context length the caches are filled to that length, then
---steps single-token decode steps are timed (median). The context is filled with random keys
-and values (attention layers) after a short real prefill (recurrent layers): a decode step's cost
-depends on the cache's size, not its contents, and a real 16k-token prefill would take the CPU
-hours. Cache memory is the bytes the caches hold per sequence.
+--steps greedy decode steps are timed, pipelined as generation runs them, in 5 rounds taken by
+all models in turn (median). The context is filled with random keys and values (attention
+layers) after a short real prefill (recurrent layers): a decode step's cost depends on the
+cache's size, not its contents, and a real 16k-token prefill would take the CPU hours. Cache
+memory is the bytes the caches hold per sequence.
 
     python benchmarks/hybrid_context.py --shape smollm2-135m
     python benchmarks/hybrid_context.py --shape llama-3.2-1b --dtype bfloat16 --label "NVIDIA H100, MLX CUDA backend"
@@ -36,6 +37,7 @@ from mlx_hybrid.models import hybrid, llama  # noqa: E402
 
 CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 PREFILL = 16  # real tokens through every layer before the synthetic fill
+ROUNDS = 5  # timing rounds per model and context
 
 
 def llama_config(shape: str) -> dict:
@@ -124,14 +126,22 @@ def cache_bytes(cache: list) -> int:
     return total
 
 
-def time_decode(model, cache: list, steps: int) -> float:
+def decode_timer(model, cache: list):
+    """A function timing n greedy steps (seconds per token), pipelined as `generate` runs them:
+    each step is queued before the previous one finishes."""
     token = mx.array([[1]])
-    times = []
-    for _ in range(steps + 3):  # three warm-up steps
+
+    def run(n: int) -> float:
+        nonlocal token
         tic = time.perf_counter()
-        mx.eval(model(token, cache=cache))
-        times.append(time.perf_counter() - tic)
-    return median(times[3:])
+        for _ in range(n):
+            token = model(token, cache=cache)[:, -1:].argmax(-1)
+            mx.async_eval(token)
+        mx.eval(token)
+        return (time.perf_counter() - tic) / n
+
+    run(3)  # warm-up
+    return run
 
 
 def main(argv=None) -> int:
@@ -153,14 +163,22 @@ def main(argv=None) -> int:
 
     rows = []
     for context in contexts:
-        for name, model, make_cache in models:
-            cache = make_cache()
+        # All models at this context are timed in turns (ROUNDS rounds, median per model), so
+        # that drifts of the machine fall on every model alike.
+        caches = [make_cache() for _, _, make_cache in models]
+        for (_, model, _), cache in zip(models, caches):
             fill(model, cache, context, dtype)
-            ms = time_decode(model, cache, a.steps) * 1e3
+        timers = [decode_timer(model, cache) for (_, model, _), cache in zip(models, caches)]
+        times = [[] for _ in models]
+        for _ in range(ROUNDS):
+            for timer, t in zip(timers, times):
+                t.append(timer(a.steps))
+        for (name, _, _), cache, t in zip(models, caches, times):
+            ms = median(t) * 1e3
             rows.append(dict(model=name, context=context, ms_per_token=ms, cache_bytes=cache_bytes(cache)))
             print(f"{context:>6} {name:<26} {ms:8.2f} ms/token  cache {rows[-1]['cache_bytes'] / 2**20:8.1f} MiB", flush=True)
-            del cache
-            mx.clear_cache()
+        del caches, timers
+        mx.clear_cache()
 
     slug = slugify(f"hybrid-context-{a.shape}-{label}")
     out = a.out or BENCH_DIR / "results" / f"{slug}.json"
@@ -212,7 +230,7 @@ def section(result: dict, slug: str, png: Path) -> str:
         f"<!-- results:{slug} -->",
         f"### Decode vs context: {result['shape']} shape, {result['dtype']}, {result['label']}",
         "",
-        f"`{result['command']}` (median of {result['steps']} steps; random weights)",
+        f"`{result['command']}` (per-token time of {result['steps']} pipelined steps, median of 5 interleaved rounds; random weights)",
         "",
         "ms per decoded token (growth from the shortest to the longest context in the last column):",
         "",

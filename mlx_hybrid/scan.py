@@ -14,6 +14,11 @@ state after the last accepted token, without materializing the others).
 
 `selective_scan_ref` is the ground truth and runs on every backend; `selective_scan` dispatches
 to the Metal or CUDA kernel in `metal_kernels/` when the default device has one.
+
+`ssm_step` is the decode step of a whole Mamba or Mamba2 mixer between its two projections
+(conv step, activations, one scan update, gate) in one GPU launch: a one-token step is a chain of
+small ops, and on a GPU each costs a launch. Its pure-MLX reference is the mixer's unfused path
+(`mlx_hybrid.models.hybrid`), which every backend without a kernel runs.
 """
 
 import functools
@@ -106,17 +111,22 @@ def kernel_backend() -> str | None:
     return None
 
 
+KERNELS = {
+    "selective_scan": (["x", "dt", "A", "B", "C", "D", "state", "save"], ["y", "states"]),
+    "ssm_step": (
+        ["u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state"],
+        ["g", "window_out", "state_out"],
+    ),
+}
+
+
 @functools.cache
-def _kernel(backend: str):
+def _kernel(backend: str, name: str = "selective_scan"):
     """The mx.fast kernel object for 'metal' or 'cuda', built once from metal_kernels/."""
     suffix, make = {"metal": (".metal", mx.fast.metal_kernel), "cuda": (".cu", mx.fast.cuda_kernel)}[backend]
-    source = resources.files("mlx_hybrid.metal_kernels").joinpath("selective_scan" + suffix).read_text()
-    return make(
-        name="selective_scan",
-        input_names=["x", "dt", "A", "B", "C", "D", "state", "save"],
-        output_names=["y", "states"],
-        source=source,
-    )
+    source = resources.files("mlx_hybrid.metal_kernels").joinpath(name + suffix).read_text()
+    inputs, outputs = KERNELS[name]
+    return make(name=name, input_names=inputs, output_names=outputs, source=source)
 
 
 def selective_scan_kernel(x, dt, A, B, C, D, state, save=None, *, backend: str):
@@ -159,3 +169,31 @@ def _launch(backend, x, dt, A, B, C, D, state, save):
         output_dtypes=[x.dtype, mx.float32],
     )
     return y, states
+
+
+def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, *, mamba2: bool, d_xb: int, offsets, backend: str):
+    """One decode step of a Mamba (mamba2=False) or Mamba2 mixer on the fused GPU kernel.
+
+    u: (batch, 1, P) the mixer's input projection, with x, z, B, C at `offsets` (x and B before
+    the KV-group expansion; Mamba2's [x, B, C] contiguous from x's offset); dt: (batch, 1, heads
+    or channels) before `dt_bias`; window: (batch, K-1, conv channels) the previous conv inputs;
+    conv_w: (conv channels, K); conv_b: (conv channels,); A_log: (heads,) or (channels, n);
+    state: (batch, n, channels) float32. Returns the gated output y * silu(z) (batch, 1, channels),
+    the new window and the new state (metal_kernels/ssm_step.cu).
+    """
+    b, n, d = state.shape
+    K = conv_w.shape[1]
+    if K < 2 or u.shape[1] != 1:
+        raise ValueError(f"ssm_step takes one token and a conv of width >= 2, got L={u.shape[1]}, K={K}")
+    ox, oz, ob, oc = offsets
+    dtype = u.dtype
+    return _kernel(backend, "ssm_step")(
+        inputs=[u, dt, window, conv_w.astype(dtype), conv_b.astype(dtype), dt_bias.astype(mx.float32),
+                A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32)],
+        template=[("T", dtype), ("N", n), ("R", d // d_xb), ("K", K), ("MAMBA2", mamba2), ("DI", d), ("DXB", d_xb),
+                  ("OX", ox), ("OZ", oz), ("OB", ob), ("OC", oc)],
+        grid=(d, b, 1),
+        threadgroup=(min(64, d), 1, 1),
+        output_shapes=[(b, 1, d), window.shape, state.shape],
+        output_dtypes=[dtype, dtype, mx.float32],
+    )

@@ -125,9 +125,9 @@ def test_quantized_hybrid_error(hybrid_dir, loaded):
 
 @pytest.mark.skipif(kernel_backend() is None, reason="no GPU kernel backend (Metal or MLX CUDA) on this device")
 def test_model_with_scan_kernel_matches_reference(loaded, monkeypatch):
-    """The whole hybrid with the GPU selective-scan kernel vs the same model with the pure-MLX scan.
+    """The whole hybrid with the GPU kernels (scan, fused decode step) vs the pure-MLX paths.
 
-    Only the scan differs (float32 in both, different summation order: ~1e-6). On Metal the
+    Only the scan and the decode step's fusion differ (float32 in both, different summation order: ~1e-6). On Metal the
     matmuls are plain float32, so atol 1e-4. MLX's CUDA backend runs float32 matmuls in TF32
     (10-bit mantissa), which turns a 1e-6 change of a matmul input into an up to ~5e-4 relative
     change of its output, compounded over the layers: there, |diff| <= 1e-2 * max|logit|, and the
@@ -145,6 +145,7 @@ def test_model_with_scan_kernel_matches_reference(loaded, monkeypatch):
 
     with_kernel = run()
     monkeypatch.setattr(hybrid, "selective_scan", selective_scan_ref)
+    monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)  # the fused decode step too
     reference = run()
     diff = np.abs(with_kernel - reference).max()
     print(f"max |kernel - reference| logit difference: {diff:.3g} (max |logit| {np.abs(reference).max():.3g})")

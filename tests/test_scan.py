@@ -9,6 +9,7 @@ import itertools
 from importlib import resources
 
 import mlx.core as mx
+import mlx.utils as nn_utils
 import numpy as np
 import pytest
 
@@ -118,16 +119,18 @@ def test_bad_arguments_raise(change, message):
         selective_scan(**kwargs)
 
 
-def test_kernel_twins_stay_parallel():
+@pytest.mark.parametrize("kernel", ["selective_scan", "ssm_step"])
+def test_kernel_twins_stay_parallel(kernel):
     """What is proven on CUDA carries over to Metal only while the bodies match line for line."""
     src = resources.files("mlx_hybrid.metal_kernels")
-    cu = src.joinpath("selective_scan.cu").read_text().splitlines()
-    metal = src.joinpath("selective_scan.metal").read_text().splitlines()
+    cu = src.joinpath(kernel + ".cu").read_text().splitlines()
+    metal = src.joinpath(kernel + ".metal").read_text().splitlines()
     assert len(cu) == len(metal)
     to_metal = [
         ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
         ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
         ("expf(", "metal::exp("),
+        ("logf(", "metal::log("),
     ]
     for i, (a, b) in enumerate(zip(cu, metal), 1):
         if a.startswith("//"):
@@ -180,3 +183,71 @@ def test_metal_kernel_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_cuda_kernel_matches_reference(dtype):
     check_parity("cuda", dtype)
+
+
+# ----------------------------------------------------------------------------- fused decode step
+
+STEP_SHAPES = list(itertools.product(["mamba", "mamba2"], [16, 64], [1, 4], [1, 3]))  # kind, n, repeats, batch
+HIDDEN = 512
+
+
+def step_layer(kind, n, repeats, dtype, seed):
+    """A Mamba or Mamba2 mixer with random weights at trained-model magnitudes; hidden 512."""
+    from mlx_hybrid.models import hybrid
+
+    heads = HIDDEN // 64
+    args = hybrid.ModelArgs(
+        model_type="llama_hybrid", hidden_size=HIDDEN, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=heads, num_key_value_heads=heads // repeats, vocab_size=8, d_state=n,
+        d_xb=HIDDEN // repeats, mixer_types=[kind],
+    )
+    layer = (hybrid.Mamba if kind == "mamba" else hybrid.Mamba2)(args)
+    mx.random.seed(seed)
+    params = {}
+    for name, p in nn_utils.tree_flatten(layer.parameters()):
+        scale = 0.3 if name.endswith(("A_log", "D", "bias")) else p.shape[-1] ** -0.5
+        params[name] = (mx.random.normal(p.shape) * scale).astype(mx.float32 if name.endswith(hybrid.FP32_PARAMS) else dtype)
+    layer.load_weights(list(params.items()))
+    return layer
+
+
+def check_step_parity(backend, dtype, monkeypatch):
+    """Six decode steps of each mixer with the fused kernel vs its unfused pure-MLX path.
+
+    Outputs, conv windows and states are compared after every step, so a wrong window shift
+    shows from step two on. Half types: the kernel keeps conv outputs in float32 where the
+    unfused path rounds them to the half type, so the half-type tolerances apply.
+    """
+    from mlx_hybrid.cache import StateCache
+    from mlx_hybrid.models import hybrid
+
+    atol, rtol = PARITY_TOL[dtype]
+    worst = 0.0
+    for kind, n, repeats, batch in STEP_SHAPES:
+        layer = step_layer(kind, n, repeats, dtype, seed=n + repeats + batch)
+        u = (mx.random.normal((batch, 6, HIDDEN)) * 0.5).astype(dtype)
+        fused, ref = StateCache(), StateCache()
+        for t in range(6):
+            with mx.stream(mx.gpu):
+                monkeypatch.setattr(hybrid, "kernel_backend", lambda: backend)
+                y = layer(u[:, t : t + 1], fused)
+                monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
+                y_ref = layer(u[:, t : t + 1], ref)
+            case = f"{dtype} {kind} n={n} repeats={repeats} batch={batch} step {t}"
+            for got, want in zip([y, *fused.arrays], [y_ref, *ref.arrays]):
+                got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+                np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=case)
+                worst = max(worst, float(np.abs(got - want).max()))
+    print(f"\n{backend} ssm_step {dtype}: {len(STEP_SHAPES)} shapes x 6 steps, max |fused - unfused| {worst:.3g}")
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="Metal not available (needs an Apple-silicon Mac)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_metal_step_kernel_matches_unfused_path(dtype, monkeypatch):
+    check_step_parity("metal", dtype, monkeypatch)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX CUDA backend not available")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cuda_step_kernel_matches_unfused_path(dtype, monkeypatch):
+    check_step_parity("cuda", dtype, monkeypatch)

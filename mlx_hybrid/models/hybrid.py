@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.models import llama
-from mlx_hybrid.scan import selective_scan
+from mlx_hybrid.scan import kernel_backend, selective_scan, ssm_step
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
 LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")
@@ -105,11 +105,10 @@ def _mamba2_inputs(xBC, dt, dt_bias, A_log, D, d_xb: int, n: int, r: int):
 
 
 @mx.compile
-def _gated_rms_norm(y, z, weight, n: int, eps: float):
-    """RMSNorm of y * silu(z) over each run of n channels (a Mamba2 head), times weight."""
+def _head_rms_norm(y, weight, n: int, eps: float):
+    """RMSNorm over each run of n channels (a Mamba2 head), times weight."""
     B_, L, d = y.shape
-    y = (y * nn.silu(z)).reshape(B_, L, d // n, n)
-    return mx.fast.rms_norm(y, None, eps).reshape(B_, L, d) * weight
+    return mx.fast.rms_norm(y.reshape(B_, L, d // n, n), None, eps).reshape(B_, L, d) * weight
 
 
 @mx.compile
@@ -137,6 +136,14 @@ class CausalConv(nn.Module):
         if "bias" in self:
             out = out + self.bias.astype(x.dtype)
         return out, xp[:, L:]
+
+    def step_args(self, window: mx.array | None, u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Window (zeros before the first token), weights (C, K) and bias for `ssm_step`."""
+        C, _, K = self.weight.shape
+        if window is None:
+            window = mx.zeros((u.shape[0], K - 1, C), u.dtype)
+        bias = self.bias if "bias" in self else mx.zeros((C,), u.dtype)
+        return window, self.weight.reshape(C, K), bias
 
 
 class Mamba(nn.Module):
@@ -168,6 +175,16 @@ class Mamba(nn.Module):
 
     def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
+        if u.shape[1] == 1 and (backend := kernel_backend()):
+            proj = self.in_proj(u)
+            dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
+            d_xb, d_inner = self.d_xb, self.d_inner
+            y, window, state = ssm_step(
+                proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state,
+                mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
+            )
+            cache.update([window, state], 1)
+            return self.out_proj(y)
         x, z, Bm, Cm, dt = self.project(u)
         x, window = self.conv1d(x, window)
         x = nn.silu(x)
@@ -199,12 +216,20 @@ class Mamba2(nn.Module):
         B_, L, _ = u.shape
         n, r = self.d_state, self.repeats
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
-        z, xBC, dt = mx.split(self.in_proj(u), [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
+        proj = self.in_proj(u)
+        if L == 1 and (backend := kernel_backend()):
+            y, window, state = ssm_step(
+                proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
+                state, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
+            )
+            cache.update([window, state], 1)
+            return self.out_proj(_head_rms_norm(y, self.norm.weight, n, self.eps))
+        z, xBC, dt = mx.split(proj, [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
         xBC, window = self.conv1d(xBC, window)
         x, Bm, Cm, dt, A, D = _mamba2_inputs(xBC, dt, self.dt_bias, self.A_log, self.D, self.d_xb, n, r)
         y, states = selective_scan(x, dt, A, Bm, Cm, D, state)
         cache.update([window, states[:, -1]], L)
-        return self.out_proj(_gated_rms_norm(y, z, self.norm.weight, n, self.eps))
+        return self.out_proj(_head_rms_norm(_silu_gate(y, z), self.norm.weight, n, self.eps))
 
 
 @mx.compile
