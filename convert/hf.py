@@ -154,7 +154,9 @@ def convert(
     if not any((src / f).is_file() for f in TOKENIZER_FILES):
         raise HybridError(f"no tokenizer in {src} (expected {' or '.join(TOKENIZER_FILES)})")
     expected = check_shapes(checkpoint)
-    quant = {"group_size": group_size, "bits": bits} if quantize else None
+    quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if quantize else None
+    if quant and not any(quantizes(name, shape, group_size, recipe) for name, shape in expected.items()):
+        raise HybridError(f"nothing to quantize: no layer's input width is a multiple of --group-size {group_size}")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
