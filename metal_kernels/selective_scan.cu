@@ -1,9 +1,12 @@
 // Selective scan, CUDA body for mx.fast.cuda_kernel (MLX writes the signature around it).
 // Line-for-line twin of selective_scan.metal: only the thread index and exp lines differ.
-// Inputs x, dt, A, B, C, D, state, save; outputs y, states; template T, Tdt, Tbc, N, NA.
+// Inputs x, dt, A, B, C, D, state, save, parents; outputs y, states; template T, Tdt, Tbc, N, NA, TREE.
 // One thread per (batch b, channel c) keeps its state column h[0..N) in registers and walks
 // the L tokens in order; neighbouring threads touch neighbouring channels, so every state
 // read and write is coalesced. save holds S ascending positions whose states are written.
+// TREE: the tokens are the nodes of a tree, parents[t] < t (-1: the cached state), and save
+// is every position; a node whose parent is not the previous token restarts from the parent's
+// state, which this same thread wrote to states earlier.
 const int c = blockIdx.x * blockDim.x + threadIdx.x;
 const int b = blockIdx.y * blockDim.y + threadIdx.y;
 const int batch = x_shape[0];
@@ -23,6 +26,13 @@ for (int n = 0; n < N; ++n) {
 const float Dc = D[c];
 int s = 0;
 for (int t = 0; t < L; ++t) {
+  if (TREE && t > 0 && parents[t] != t - 1) {
+    const int p = parents[t];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      h[n] = p < 0 ? state[(b * N + n) * channels + c] : states[((b * S + p) * N + n) * channels + c];
+    }
+  }
   const int xi = (b * L + t) * channels + c;
   const int bi = ((b * L + t) * groups + g) * N;
   const float xt = static_cast<float>(x[xi]);

@@ -6,7 +6,9 @@ can drop rejected tokens). Sliding-window layers drop keys no future query can r
 
 A recurrent layer's state cannot be rolled back token by token; instead `snapshot` keeps a
 reference to the current state (MLX arrays are immutable, so this copies nothing) and `restore`
-returns to it.
+returns to it. To verify speculative candidates, a recurrent layer runs them all and leaves a
+`pending` function that gives the state after any candidate; `accept` then keeps the state at
+the end of the accepted path, so accepted tokens are never run again.
 """
 
 import mlx.core as mx
@@ -94,11 +96,20 @@ class StateCache:
     def __init__(self):
         self.arrays: list[mx.array] | None = None
         self.offset = 0
+        self.pending = None  # candidate node -> its state arrays, after a verification pass
 
     def update(self, arrays: list[mx.array], n: int):
         """Replace the state after the layer has consumed n more tokens."""
         self.arrays = arrays
         self.offset += n
+
+    def accept(self, path: list[int]):
+        """Advance along the accepted candidate path (node indices, root first) of the last
+        verification pass: the state becomes the one after its last node."""
+        if path:
+            self.arrays = self.pending(path[-1])
+            self.offset += len(path)
+        self.pending = None
 
     def trimmable(self) -> int:
         return 0

@@ -10,7 +10,10 @@ channels) so that neighbouring kernel threads, one per channel, read neighbourin
 One call advances a cached state over L tokens and returns the states after the positions in
 `save`: L = 1 is the decode step, a prompt chunk with save = [L-1] is prefill, and a draft with
 save = [j, L-1] is the multi-step verification of Algorithm 2 in "The Mamba in the Llama" (the
-state after the last accepted token, without materializing the others).
+state after the last accepted token, without materializing the others). With `parents` the L
+tokens are the nodes of a candidate tree, in an order where a parent comes before its children:
+each node's state is advanced from its parent's (the cached state for parent -1), and every
+node's state is returned, since which branch is accepted is known only afterwards.
 
 `selective_scan_ref` is the ground truth and runs on every backend; `selective_scan` dispatches
 to the Metal or CUDA kernel in `metal_kernels/` when the default device has one.
@@ -37,13 +40,15 @@ def selective_scan_ref(
     D: mx.array,
     state: mx.array,
     save: Sequence[int] | None = None,
+    parents: Sequence[int] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Pure-MLX selective scan, one token at a time (in float32).
 
     x, dt: (batch, L, channels), dt already positive (softplus applied);
     A: (1 or n, channels), negative; B, C: (batch, L, groups, n); D: (channels,);
     state: (batch, n, channels) float32, the state before the first token;
-    save: positions in [0, L) whose states to return (default: the last).
+    save: positions in [0, L) whose states to return (default: the last);
+    parents: for a tree of tokens, each token's parent position (-1: the cached state).
     Returns y (batch, L, channels) in x's dtype and the saved states (batch, len(save), n, channels).
     """
     b, L, d = x.shape
@@ -54,19 +59,21 @@ def selective_scan_ref(
     Bc = mx.repeat(B.astype(mx.float32), expand, axis=2).transpose(0, 1, 3, 2)
     Cc = mx.repeat(C.astype(mx.float32), expand, axis=2).transpose(0, 1, 3, 2)
     xf, dtf, Af = x.astype(mx.float32), dt.astype(mx.float32), A.astype(mx.float32)
-    h = state.astype(mx.float32)
-    ys, saved = [], {}
+    h0 = state.astype(mx.float32)
+    parents = list(range(-1, L - 1)) if parents is None else list(parents)
+    ys, hs = [], []
     for t in range(L):
+        h = h0 if parents[t] < 0 else hs[parents[t]]
         h = mx.exp(dtf[:, t, None, :] * Af) * h + (dtf[:, t] * xf[:, t])[:, None, :] * Bc[:, t]
         ys.append((Cc[:, t] * h).sum(axis=1))
-        if t in save:
-            saved[t] = h
+        hs.append(h)
+    saved = {t: hs[t] for t in save}
     y = mx.stack(ys, axis=1) + D.astype(mx.float32) * xf
     return y.astype(x.dtype), mx.stack([saved[t] for t in save], axis=1)
 
 
-def _check_inputs(x, dt, A, B, C, D, state, save) -> list[int]:
-    """Raise ValueError on shapes, dtypes or save positions the kernels cannot take; return save."""
+def _check_inputs(x, dt, A, B, C, D, state, save, parents=None) -> list[int]:
+    """Raise ValueError on shapes, dtypes, save positions or parents the kernels cannot take; return save."""
     if x.ndim != 3:
         raise ValueError(f"x must be (batch, L, channels), got shape {x.shape}")
     b, L, d = x.shape
@@ -94,6 +101,11 @@ def _check_inputs(x, dt, A, B, C, D, state, save) -> list[int]:
     save = [L - 1] if save is None else [int(p) for p in save]
     if not save or any(not 0 <= p < L for p in save) or any(p >= q for p, q in zip(save, save[1:])):
         raise ValueError(f"save must be non-empty, ascending, unique positions in [0, {L}), got {save}")
+    if parents is not None:
+        if len(parents) != L or any(not -1 <= p < t for t, p in enumerate(parents)):
+            raise ValueError(f"parents must give each of the {L} tokens an earlier position or -1, got {list(parents)}")
+        if save != list(range(L)):
+            raise ValueError("a tree scan returns every node's state: save must be all positions")
     # The kernels index with 32-bit ints; the saved states are the largest array.
     if max(x.size, B.size, b * len(save) * n * d) >= 2**31:
         raise ValueError("selective_scan: arrays of 2**31 or more elements are not supported")
@@ -112,7 +124,7 @@ def kernel_backend() -> str | None:
 
 
 KERNELS = {
-    "selective_scan": (["x", "dt", "A", "B", "C", "D", "state", "save"], ["y", "states"]),
+    "selective_scan": (["x", "dt", "A", "B", "C", "D", "state", "save", "parents"], ["y", "states"]),
     "ssm_step": (
         ["u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state"],
         ["g", "window_out", "state_out"],
@@ -129,12 +141,13 @@ def _kernel(backend: str, name: str = "selective_scan"):
     return make(name=name, input_names=inputs, output_names=outputs, source=source)
 
 
-def selective_scan_kernel(x, dt, A, B, C, D, state, save=None, *, backend: str):
+def selective_scan_kernel(x, dt, A, B, C, D, state, save=None, parents=None, *, backend: str):
     """`selective_scan` on the 'metal' or 'cuda' kernel explicitly (the parity tests call this)."""
-    return _launch(backend, x, dt, A, B, C, D, state, _check_inputs(x, dt, A, B, C, D, state, save))
+    save = _check_inputs(x, dt, A, B, C, D, state, save, parents)
+    return _launch(backend, x, dt, A, B, C, D, state, save, parents)
 
 
-def selective_scan(x, dt, A, B, C, D, state, save=None):
+def selective_scan(x, dt, A, B, C, D, state, save=None, parents=None):
     """`selective_scan_ref`'s signature and results, on the Metal or CUDA kernel when the default
     device is a GPU with one, else on `selective_scan_ref`.
 
@@ -142,24 +155,25 @@ def selective_scan(x, dt, A, B, C, D, state, save=None):
     states in one pass over the tokens); this is checked on every backend, so code that runs on
     the CPU runs unchanged on the GPU.
     """
-    save = _check_inputs(x, dt, A, B, C, D, state, save)
+    save = _check_inputs(x, dt, A, B, C, D, state, save, parents)
     backend = kernel_backend()
     if backend is None:
-        return selective_scan_ref(x, dt, A, B, C, D, state, save)
-    return _launch(backend, x, dt, A, B, C, D, state, save)
+        return selective_scan_ref(x, dt, A, B, C, D, state, save, parents)
+    return _launch(backend, x, dt, A, B, C, D, state, save, parents)
 
 
-def _launch(backend, x, dt, A, B, C, D, state, save):
+def _launch(backend, x, dt, A, B, C, D, state, save, parents=None):
     """Run the kernel on checked inputs: one GPU thread per (batch, channel) walks the whole
     sequence with its state column in registers (metal_kernels/selective_scan.cu)."""
     b, L, d = x.shape
     n = B.shape[3]
     y, states = _kernel(backend)(
         inputs=[x, dt, A.astype(mx.float32), B, C, D.astype(mx.float32), state.astype(mx.float32),
-                mx.array(save, dtype=mx.int32)],
+                mx.array(save, dtype=mx.int32), mx.array([-1] if parents is None else parents, dtype=mx.int32)],
         # T, Tdt, Tbc name every input dtype: MLX caches a compiled CUDA kernel by its name,
         # which holds the template arguments only.
-        template=[("T", x.dtype), ("Tdt", dt.dtype), ("Tbc", B.dtype), ("N", n), ("NA", A.shape[0])],
+        template=[("T", x.dtype), ("Tdt", dt.dtype), ("Tbc", B.dtype), ("N", n), ("NA", A.shape[0]),
+                  ("TREE", parents is not None)],
         grid=(d, b, 1),
         # Small threadgroups: at N = 128 a thread holds ~170 registers, so a 256-thread group
         # takes most of an SM's register file; 64-thread groups keep more warps resident (on an

@@ -86,6 +86,29 @@ def test_chunks_carry_the_state_and_saves_equal_prefix_scans():
     np.testing.assert_allclose(np.array(states[:, 1]), np.array(s2[:, 0]), atol=1e-6, rtol=1e-6)
 
 
+# A candidate tree in parent-before-child order: two roots (-1: the cached state), branches at 0 and 1.
+TREE = [-1, 0, 0, 1, 1, 2, -1, 6, 3]
+
+
+def tree_path(parents, t):
+    path = [t]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def test_tree_scan_equals_a_scan_along_each_path():
+    """Every node's output and state equal a plain scan over the tokens on its root path."""
+    L = len(TREE)
+    x, dt, A, B, C, D, state = make_inputs(2, L, 12, 3, 4, 4, seed=3)
+    y, states = selective_scan_ref(x, dt, A, B, C, D, state, save=range(L), parents=TREE)
+    for t in range(L):
+        path = mx.array(tree_path(TREE, t))
+        y_p, s_p = selective_scan_ref(x[:, path], dt[:, path], A, B[:, path], C[:, path], D, state)
+        np.testing.assert_allclose(np.array(y[:, t]), np.array(y_p[:, -1]), **REF_TOL)
+        np.testing.assert_allclose(np.array(states[:, t]), np.array(s_p[:, 0]), **REF_TOL)
+
+
 def test_dispatch_matches_reference():
     """On the CPU `selective_scan` runs `selective_scan_ref` itself, so this checks the argument
     plumbing; on a GPU with a kernel it is a parity test of the dispatched kernel."""
@@ -107,6 +130,8 @@ def test_dispatch_matches_reference():
         (dict(state=mx.zeros((2, 16, 8))), "state must be"),
         (dict(B=mx.zeros((2, 6, 3, 8))), "multiple of groups"),
         (dict(x=mx.zeros((2, 6, 16), dtype=mx.int32)), "float32, float16 or bfloat16"),
+        (dict(save=range(6), parents=[-1, 0, 2, 1, 1, 1]), "earlier position"),
+        (dict(save=[5], parents=[-1, 0, 1, 1, 1, 1]), "save must be all positions"),
     ],
 )
 def test_bad_arguments_raise(change, message):
@@ -169,6 +194,15 @@ def check_parity(backend, dtype):
         worst_y = max(worst_y, float(np.abs(y - y_ref).max()))
         worst_s = max(worst_s, float(np.abs(states - states_ref).max()))
         used = max(used, float((np.abs(y - y_ref) / (atol + rtol * np.abs(y_ref))).max()))
+    for n, batch in itertools.product([16, 64], [1, 3]):  # trees: every node's state is saved
+        args = make_inputs(batch, len(TREE), CHANNELS, 4, n, n, dtype, seed=n + batch)
+        with mx.stream(mx.gpu):
+            y, states = selective_scan_kernel(*args, save=range(len(TREE)), parents=TREE, backend=backend)
+            y_ref, states_ref = selective_scan_ref(*args, save=range(len(TREE)), parents=TREE)
+        case = f"{dtype} tree n={n} batch={batch}"
+        np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32)),
+                                   atol=atol, rtol=rtol, err_msg=case)
+        np.testing.assert_allclose(np.array(states), np.array(states_ref), atol=1e-4, rtol=1e-4, err_msg=case)
     print(f"\n{backend} {dtype}: {len(PARITY_SHAPES)} shapes, max |y - ref| {worst_y:.3g} "
           f"(at most {used:.0%} of the tolerance), max |state - ref| {worst_s:.3g}")
 

@@ -71,6 +71,30 @@ def expand_groups(t: mx.array, size: int, repeats: int) -> mx.array:
     return mx.repeat(t.reshape(*lead, d // size, 1, size), repeats, axis=-2).reshape(*lead, d * repeats)
 
 
+def ancestor_index(parents: list[int], K: int) -> mx.array:
+    """For each node of a candidate tree, the positions of its last K conv inputs (itself last)
+    in [the K-1 cached inputs; the nodes]: a node's predecessors are its ancestors, then the cache."""
+    rows = []
+    for t in range(len(parents)):
+        row = [K - 1 + t]
+        while len(row) < K:
+            p = row[-1]
+            parent = parents[p - (K - 1)] if p >= K - 1 else None
+            row.append(p - 1 if parent is None else (K - 1 + parent if parent >= 0 else K - 2))
+        rows.append(row[::-1])
+    return mx.array(rows)
+
+
+def ancestor_mask(parents: list[int]) -> mx.array:
+    """mask[t, s]: node s is node t or one of its ancestors."""
+    rows = []
+    for t, p in enumerate(parents):
+        row = list(rows[p]) if p >= 0 else [False] * len(parents)
+        row[t] = True
+        rows.append(row)
+    return mx.array(rows)
+
+
 # Decode steps are chains of small ops; compiling the elementwise stretches between the matmuls
 # and the scan fuses them into a few kernels (integer arguments are compile-time constants).
 
@@ -137,6 +161,20 @@ class CausalConv(nn.Module):
             out = out + self.bias.astype(x.dtype)
         return out, xp[:, L:]
 
+    def tree(self, x: mx.array, window: mx.array | None, parents: list[int]):
+        """Convolve the nodes of a candidate tree, each over its own ancestors; also return a
+        function giving the window after any node."""
+        B, T, C = x.shape
+        K = self.weight.shape[-1]
+        if window is None:
+            window = mx.zeros((B, K - 1, C), x.dtype)
+        xp = mx.concatenate([window.astype(x.dtype), x], axis=1)
+        idx = ancestor_index(parents, K)
+        out = (xp[:, idx] * self.weight[:, 0, :].T.astype(x.dtype)).sum(axis=2)
+        if "bias" in self:
+            out = out + self.bias.astype(x.dtype)
+        return out, lambda node: xp[:, idx[node, 1:]]
+
     def step_args(self, window: mx.array | None, u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Window (zeros before the first token), weights (C, K) and bias for `ssm_step`."""
         C, _, K = self.weight.shape
@@ -173,9 +211,10 @@ class Mamba(nn.Module):
         x, z, Bm, Cm, dt = _mamba_inputs(self.in_proj(u), self.d_xb, self.d_inner, self.d_state, self.repeats)
         return x, z, Bm, Cm, self.dt_proj(dt) + self.dt_proj.bias
 
-    def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
+    def __call__(self, u: mx.array, cache: StateCache, parents: list[int] | None = None) -> mx.array:
+        """Advance the cache over u; with `parents`, u is a candidate tree (see `StateCache.accept`)."""
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
-        if u.shape[1] == 1 and (backend := kernel_backend()):
+        if u.shape[1] == 1 and parents is None and (backend := kernel_backend()):
             proj = self.in_proj(u)
             dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
             d_xb, d_inner = self.d_xb, self.d_inner
@@ -186,10 +225,14 @@ class Mamba(nn.Module):
             cache.update([window, state], 1)
             return self.out_proj(y)
         x, z, Bm, Cm, dt = self.project(u)
-        x, window = self.conv1d(x, window)
-        x = nn.silu(x)
         A = -mx.exp(self.A_log.astype(mx.float32)).T
-        y, states = selective_scan(x, nn.softplus(dt), A, Bm, Cm, self.D, state)
+        if parents is not None:
+            x, window_after = self.conv1d.tree(x, window, parents)
+            y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state, range(len(parents)), parents)
+            cache.pending = lambda node: [window_after(node), states[:, node]]
+            return self.out_proj(_silu_gate(y, z))
+        x, window = self.conv1d(x, window)
+        y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state)
         cache.update([window, states[:, -1]], u.shape[1])
         return self.out_proj(_silu_gate(y, z))
 
@@ -212,12 +255,13 @@ class Mamba2(nn.Module):
         self.norm = nn.RMSNorm(self.d_inner)  # weight only: normalized per head below
         self.out_proj = nn.Linear(self.d_inner, args.hidden_size, bias=False)
 
-    def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
+    def __call__(self, u: mx.array, cache: StateCache, parents: list[int] | None = None) -> mx.array:
+        """Advance the cache over u; with `parents`, u is a candidate tree (see `StateCache.accept`)."""
         B_, L, _ = u.shape
         n, r = self.d_state, self.repeats
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
         proj = self.in_proj(u)
-        if L == 1 and (backend := kernel_backend()):
+        if L == 1 and parents is None and (backend := kernel_backend()):
             y, window, state = ssm_step(
                 proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
                 state, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
@@ -225,11 +269,28 @@ class Mamba2(nn.Module):
             cache.update([window, state], 1)
             return self.out_proj(_head_rms_norm(y, self.norm.weight, n, self.eps))
         z, xBC, dt = mx.split(proj, [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
-        xBC, window = self.conv1d(xBC, window)
+        if parents is not None:
+            xBC, window_after = self.conv1d.tree(xBC, window, parents)
+        else:
+            xBC, window = self.conv1d(xBC, window)
         x, Bm, Cm, dt, A, D = _mamba2_inputs(xBC, dt, self.dt_bias, self.A_log, self.D, self.d_xb, n, r)
-        y, states = selective_scan(x, dt, A, Bm, Cm, D, state)
-        cache.update([window, states[:, -1]], L)
+        if parents is not None:
+            y, states = selective_scan(x, dt, A, Bm, Cm, D, state, range(L), parents)
+            cache.pending = lambda node: [window_after(node), states[:, node]]
+        else:
+            y, states = selective_scan(x, dt, A, Bm, Cm, D, state)
+            cache.update([window, states[:, -1]], L)
         return self.out_proj(_head_rms_norm(_silu_gate(y, z), self.norm.weight, n, self.eps))
+
+
+def _gla_block(q, k, v, b, visible, state):
+    """Outputs for a block of tokens with cumulative log gates b (decays enter only as
+    exp(b_t - b_s), never as a ratio of exponentials, so no block length can overflow) that see
+    the state before the block and the tokens s with visible[t, s]."""
+    inter = (q * mx.exp(b)) @ state
+    decay = mx.exp(mx.where(visible[:, :, None], b[:, :, :, None, :] - b[:, :, None, :, :], -mx.inf))
+    scores = (q[:, :, :, None, :] * k[:, :, None, :, :] * decay).sum(-1)
+    return inter + scores @ v
 
 
 @mx.compile
@@ -237,23 +298,31 @@ def gated_linear_attention(q, k, v, g, state, chunk: int = 64):
     """o_t = q_t S_t with S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t, per head, in chunks.
 
     q, k, g: (batch, heads, L, dk); v: (batch, heads, L, dv); state: (batch, heads, dk, dv).
-    Within a chunk the decays enter as exp(b_t - b_s) for s <= t (b the cumulative log gate),
-    never as a ratio of two exponentials, so long chunks cannot overflow. Runs in float32.
+    Runs in float32.
     """
     q, k, v, g = (t.astype(mx.float32) for t in (q, k, v, g))
     outs = []
     for start in range(0, q.shape[2], chunk):
         qc, kc, vc, gc = (t[:, :, start : start + chunk] for t in (q, k, v, g))
-        T = qc.shape[2]
         b = mx.cumsum(gc, axis=2)
-        inter = (qc * mx.exp(b)) @ state
-        causal = mx.tril(mx.ones((T, T), mx.bool_))[:, :, None]
-        decay = mx.exp(mx.where(causal, b[:, :, :, None, :] - b[:, :, None, :, :], -mx.inf))
-        scores = (qc[:, :, :, None, :] * kc[:, :, None, :, :] * decay).sum(-1)
-        outs.append(inter + scores @ vc)
+        outs.append(_gla_block(qc, kc, vc, b, mx.tril(mx.ones((b.shape[2],) * 2, mx.bool_)), state))
         last = b[:, :, -1:, :]
         state = mx.exp(last).swapaxes(2, 3) * state + (kc * mx.exp(last - b)).swapaxes(2, 3) @ vc
     return mx.concatenate(outs, axis=2), state
+
+
+def gated_linear_attention_tree(q, k, v, g, state, visible: mx.array):
+    """`gated_linear_attention` over the nodes of a candidate tree (visible = `ancestor_mask`):
+    each node continues its parent's state. Returns the outputs and a function giving the state
+    after any node."""
+    q, k, v, g = (t.astype(mx.float32) for t in (q, k, v, g))
+    b = visible.astype(mx.float32) @ g  # log gates summed along each node's path
+
+    def state_after(node: int) -> mx.array:
+        decay = mx.exp(mx.where(visible[node][:, None], b[:, :, node : node + 1] - b, -mx.inf))
+        return mx.exp(b[:, :, node, :, None]) * state + (k * decay).swapaxes(2, 3) @ v
+
+    return _gla_block(q, k, v, b, visible, state), state_after
 
 
 class DSLA(nn.Module):
@@ -285,7 +354,8 @@ class DSLA(nn.Module):
         B, L, _ = t.shape
         return t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, u: mx.array, cache: StateCache) -> mx.array:
+    def __call__(self, u: mx.array, cache: StateCache, parents: list[int] | None = None) -> mx.array:
+        """Advance the cache over u; with `parents`, u is a candidate tree (see `StateCache.accept`)."""
         B, L, _ = u.shape
         qkv = self._heads(self.qkv_proj(u))
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
@@ -295,9 +365,14 @@ class DSLA(nn.Module):
         g1 = self._heads(nn.log_sigmoid(self.gate1_up(self.gate1_down(u)).astype(mx.float32)) / self.gate_norm)
         g2 = self._heads(nn.log_sigmoid(self.gate2_up(self.gate2_down(u)).astype(mx.float32)) / self.gate_norm)
         s1, s2 = cache.arrays or [mx.zeros((B, self.n_heads, self.head_dim, self.head_dim))] * 2
-        o1, s1 = gated_linear_attention(q, k, v, g1, s1)
-        o2, s2 = gated_linear_attention(q, k, v, g2, s2)
-        cache.update([s1, s2], L)
+        if parents is not None:
+            visible = ancestor_mask(parents)
+            (o1, after1), (o2, after2) = (gated_linear_attention_tree(q, k, v, g, s, visible) for g, s in ((g1, s1), (g2, s2)))
+            cache.pending = lambda node: [after1(node), after2(node)]
+        else:
+            o1, s1 = gated_linear_attention(q, k, v, g1, s1)
+            o2, s2 = gated_linear_attention(q, k, v, g2, s2)
+            cache.update([s1, s2], L)
         gamma = self.gamma.astype(mx.float32)
         o = self.o_norm((gamma * o1 + (1 - gamma) * o2).astype(u.dtype))
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
