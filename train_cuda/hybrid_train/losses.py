@@ -1,0 +1,40 @@
+"""Training objectives. Labels are next-token targets aligned with the logits (labels[t] is the
+token after position t), IGNORE where a position has no target (prompt tokens, padding)."""
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def distill_loss(student_logits, teacher_logits, labels, alpha: float = 1.0, beta: float = 0.1):
+    """"The Mamba in the Llama" eq. 2: alpha * NLL of the pseudo-label tokens plus beta * the word-level
+    KL(teacher || student) of the next-token distributions at the same positions, each averaged over
+    the labelled positions (the paper sums over t; the mean keeps the scale independent of length).
+    Returns (loss, {"nll": ..., "kl": ...})."""
+    mask = labels != IGNORE
+    logp = F.log_softmax(student_logits[mask].float(), dim=-1)  # only labelled rows: vocab-sized rows are big
+    logq = F.log_softmax(teacher_logits[mask].float(), dim=-1)
+    nll = -logp.gather(-1, labels[mask][:, None]).mean()
+    kl = (logq.exp() * (logq - logp)).sum(-1).mean()
+    return alpha * nll + beta * kl, {"nll": nll.detach(), "kl": kl.detach()}
+
+
+def nll_loss(logits, labels):
+    """Cross-entropy of the labelled tokens (SFT)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
+
+
+def sequence_logprob(logits, labels):
+    """Sum over each sequence's labelled tokens of log p(token): (batch,)."""
+    mask = labels != IGNORE
+    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    return (logp * mask).sum(-1)
+
+
+def dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float = 0.1):
+    """DPO ("The Mamba in the Llama" eq. 4) with the teacher as reference: the sequence log-probs of the
+    preferred and dispreferred responses under student (chosen, rejected) and teacher (ref_*).
+    Returns (loss, {"accuracy": share of pairs the student ranks right relative to the reference})."""
+    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    return -F.logsigmoid(margin).mean(), {"accuracy": (margin > 0).float().mean().detach()}

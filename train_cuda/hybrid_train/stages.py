@@ -1,0 +1,352 @@
+"""The stages, one function and one config dataclass each (fields = the keys of its config file).
+
+pseudo-labels  the teacher answers prompts; its answers are the distillation data (SeqKD)
+distill        attention-initialized hybrid, eq. 2 loss (NLL of pseudo-labels + beta word-level KL)
+sft            supervised fine-tuning on prompt/response pairs
+dpo            distilled DPO: preference pairs, the teacher as the reference model
+dsla           DSLA-Serve's chained conversion: one layer at a time in ascending attention entropy,
+               all else frozen, KL to the teacher + lambda * gate similarity
+perplexity     perplexity of models on held-out text, and the ratio to the first (the teacher)
+"""
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from hybrid_train import data, layers
+from hybrid_train.errors import TrainError
+from hybrid_train.losses import distill_loss, dpo_loss, nll_loss, sequence_logprob
+from hybrid_train.model import HybridArgs, convert_layers, load_hybrid, mixer_types, save_hybrid
+from hybrid_train.teacher import load_teacher, load_tokenizer
+from hybrid_train.train import Dist, TrainConfig, train
+
+
+@dataclass
+class PseudoLabelConfig:
+    teacher: str
+    prompts: str
+    out: str  # .jsonl
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    chat: bool = True  # wrap each prompt as a user turn in the teacher's chat template
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class DistillConfig(TrainConfig):
+    teacher: str = ""
+    data: str = ""  # pseudo-labels .jsonl
+    init: str | None = None  # a hybrid directory to convert further (stepwise: 50% -> 25%); default the teacher
+    mixer: str = "mamba2"  # mamba, mamba2 or dsla
+    attention: dict = field(default_factory=lambda: {"every": 2})  # which layers keep attention (layers.py)
+    calibration: str | None = None  # prompts for the attention-entropy ranking
+    hybrid: dict = field(default_factory=dict)  # HybridArgs: d_state, d_conv, ...
+    alpha: float = 1.0
+    beta: float = 0.1
+    freeze: list = field(default_factory=lambda: ["mlp"])  # parameter-name components to freeze
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    model: str = ""
+    data: str = ""  # .jsonl with prompt, response
+    chat: bool = True
+    freeze: list = field(default_factory=list)
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    model: str = ""
+    teacher: str = ""  # the reference model
+    data: str = ""  # .jsonl with prompt, chosen, rejected
+    beta: float = 0.1
+    chat: bool = True
+    freeze: list = field(default_factory=list)
+
+
+@dataclass
+class DSLAConfig(TrainConfig):
+    """steps is per converted layer."""
+
+    teacher: str = ""
+    data: list = field(default_factory=list)  # plain-text files
+    attention: dict = field(default_factory=lambda: {"entropy": True, "keep": 0.5})
+    calibration: str | None = None
+    hybrid: dict = field(default_factory=dict)
+    lam: float = 0.1  # weight of the contrastive gate term (eq. 10)
+
+
+@dataclass
+class PerplexityConfig:
+    models: list  # directories (hybrid or Hugging Face) or .gguf files; the first is the reference
+    text: list  # plain-text files
+    out: str  # .json report
+    seq_len: int = 512
+    batch_size: int = 8
+    max_blocks: int | None = None
+
+
+def parse(cls, raw: dict):
+    """A config dataclass from a dict, with one-line errors for unknown or missing keys."""
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise TrainError(f"unknown config key '{unknown[0]}' (known: {', '.join(sorted(names))})")
+    try:
+        cfg = cls(**raw)
+    except TypeError as e:
+        raise TrainError(f"config: {e}") from None
+    for name in ("teacher", "data", "model"):
+        if name in names and not getattr(cfg, name):
+            raise TrainError(f"config: '{name}' is required")
+    return cfg
+
+
+def _hybrid_args(raw: dict) -> HybridArgs:
+    names = {f.name for f in fields(HybridArgs)}
+    if set(raw) - names:
+        raise TrainError(f"unknown hybrid key '{sorted(set(raw) - names)[0]}' (known: {', '.join(sorted(names))})")
+    return HybridArgs(**raw)
+
+
+def _teacher_dtype(env: Dist):
+    return torch.bfloat16 if env.device.type == "cuda" else torch.float32
+
+
+def _freeze(model, parts: list[str]):
+    for name, p in model.named_parameters():
+        p.requires_grad_(not any(part in name.split(".") for part in parts))
+
+
+def _logits(model, batch):
+    return model(input_ids=batch["input_ids"], use_cache=False).logits
+
+
+def _entropy_ranking(cfg, teacher, tokenizer, env: Dist) -> list[float] | None:
+    if "entropy" not in cfg.attention:
+        return None
+    if not cfg.calibration:
+        raise TrainError("attention.entropy needs calibration: a prompt file")
+    prompts = [data.encode_prompt(tokenizer, p, chat=False) for p in data.read_prompts(cfg.calibration)]
+    entropy = layers.attention_entropy(teacher, prompts)
+    if env.main:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / "entropy.json").write_text(json.dumps({"entropy": entropy}, indent=1) + "\n")
+    return entropy
+
+
+def pseudo_labels(cfg: PseudoLabelConfig, resume: bool = False):
+    """Teacher answers to every prompt, written as .jsonl (prompt order kept across ranks)."""
+    env = Dist()
+    tokenizer = load_tokenizer(cfg.teacher)
+    teacher = load_teacher(cfg.teacher, _teacher_dtype(env), env.device)
+    prompts = data.read_prompts(cfg.prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(cfg.seed + env.rank)
+    mine = list(range(env.rank, len(prompts), env.world))
+    rows = []
+    with Progress(disable=not env.main) as progress:
+        task = progress.add_task("pseudo-labels", total=len(mine))
+        for k in range(0, len(mine), cfg.batch_size):
+            ids = [data.encode_prompt(tokenizer, prompts[i], cfg.chat) for i in mine[k : k + cfg.batch_size]]
+            width = max(map(len, ids))
+            x = torch.tensor([[pad] * (width - len(s)) + s for s in ids], device=env.device)  # left padding
+            mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in ids], device=env.device)
+            sample = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature else {"do_sample": False}
+            with torch.no_grad():
+                gen = teacher.generate(input_ids=x, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+                                       pad_token_id=pad, eos_token_id=eos, **sample)
+            for i, s, g in zip(mine[k : k + cfg.batch_size], ids, gen[:, width:].tolist()):
+                response = g[: g.index(eos) + 1] if eos in g else g
+                rows.append({"index": i, "prompt": prompts[i], "prompt_ids": s, "response_ids": response,
+                             "response": tokenizer.decode(response, skip_special_tokens=True)})
+            progress.update(task, advance=len(ids))
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shard = out.with_suffix(f".rank{env.rank}.tmp")
+    shard.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env.barrier()
+    if env.main:
+        merged = []
+        for r in range(env.world):
+            part = out.with_suffix(f".rank{r}.tmp")
+            merged += [json.loads(line) for line in part.read_text().splitlines()]
+            part.unlink()
+        merged.sort(key=lambda r: r.pop("index"))
+        tmp = out.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in merged))
+        os.replace(tmp, out)
+    env.barrier()
+
+
+def distill(cfg: DistillConfig, resume: bool = False):
+    """Stepwise hybrid distillation (one step of it: from the teacher, or from `init`)."""
+    env = Dist()
+    if cfg.mixer not in ("mamba", "mamba2", "dsla"):
+        raise TrainError(f"mixer must be mamba, mamba2 or dsla, got '{cfg.mixer}'")
+    tokenizer = load_tokenizer(cfg.teacher)
+    teacher = load_teacher(cfg.teacher, _teacher_dtype(env), env.device)
+    examples = [data.example(r["prompt_ids"], r["response_ids"], cfg.seq_len)
+                for r in data.read_jsonl(cfg.data, ("prompt_ids", "response_ids"))]
+    torch.manual_seed(cfg.seed)
+    student = load_hybrid(cfg.init) if cfg.init else load_teacher(cfg.teacher)
+    n = student.config.num_hidden_layers
+    keep = layers.attention_layers(cfg.attention, n, _entropy_ranking(cfg, teacher, tokenizer, env))
+    kinds = ["attention" if i in keep else cfg.mixer for i in range(n)]
+    args = getattr(student, "hybrid_args", None) if cfg.init and not cfg.hybrid else _hybrid_args(cfg.hybrid)
+    convert_layers(student, kinds, args or HybridArgs())
+    _freeze(student, cfg.freeze)
+
+    def loss_fn(model, batch):
+        with torch.no_grad():
+            target = _logits(teacher, batch)
+        return distill_loss(_logits(model, batch), target, batch["labels"], cfg.alpha, cfg.beta)
+
+    student = train(cfg, student, examples, loss_fn, resume, env, label=f"distill {kinds.count('attention')}/{n} attention")
+    if env.main:
+        save_hybrid(student, Path(cfg.out) / "model", tokenizer)
+    env.barrier()
+
+
+def _pairs(tokenizer, prompt: str, responses: list[str], chat: bool, seq_len: int):
+    prompt_ids = data.encode_prompt(tokenizer, prompt, chat)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return [data.example(prompt_ids, tokenizer(r, add_special_tokens=False).input_ids + eos, seq_len) for r in responses]
+
+
+def sft(cfg: SFTConfig, resume: bool = False):
+    env = Dist()
+    tokenizer = load_tokenizer(cfg.model)
+    rows = data.read_jsonl(cfg.data, ("prompt", "response"))
+    examples = [_pairs(tokenizer, r["prompt"], [r["response"]], cfg.chat, cfg.seq_len)[0] for r in rows]
+    torch.manual_seed(cfg.seed)
+    student = load_hybrid(cfg.model)
+    _freeze(student, cfg.freeze)
+    student = train(cfg, student, examples, lambda m, b: (nll_loss(_logits(m, b), b["labels"]), {}), resume, env, label="sft")
+    if env.main:
+        save_hybrid(student, Path(cfg.out) / "model", tokenizer)
+    env.barrier()
+
+
+def dpo(cfg: DPOConfig, resume: bool = False):
+    env = Dist()
+    tokenizer = load_tokenizer(cfg.model)
+    reference = load_teacher(cfg.teacher, _teacher_dtype(env), env.device)
+    rows = data.read_jsonl(cfg.data, ("prompt", "chosen", "rejected"))
+    examples = [tuple(_pairs(tokenizer, r["prompt"], [r["chosen"], r["rejected"]], cfg.chat, cfg.seq_len)) for r in rows]
+    torch.manual_seed(cfg.seed)
+    student = load_hybrid(cfg.model)
+    _freeze(student, cfg.freeze)
+
+    def collate_pairs(pairs):  # rows: all chosen, then all rejected
+        return data.collate([c for c, _ in pairs] + [r for _, r in pairs])
+
+    def loss_fn(model, batch):
+        with torch.no_grad():
+            ref = sequence_logprob(_logits(reference, batch), batch["labels"])
+        logp = sequence_logprob(_logits(model, batch), batch["labels"])
+        half = len(logp) // 2
+        return dpo_loss(logp[:half], logp[half:], ref[:half], ref[half:], cfg.beta)
+
+    student = train(cfg, student, examples, loss_fn, resume, env, collate_fn=collate_pairs, label="dpo")
+    if env.main:
+        save_hybrid(student, Path(cfg.out) / "model", tokenizer)
+    env.barrier()
+
+
+def dsla(cfg: DSLAConfig, resume: bool = False):
+    """Chained fine-tuning (DSLA-Serve section 4.4): convert layers one by one in ascending attention
+    entropy; each phase trains only the new DSLA layer against the teacher, then commits it.
+    Phase k lives in out/phaseKK-layerI/ (its own checkpoints); the last phase's model is out/model."""
+    env = Dist()
+    tokenizer = load_tokenizer(cfg.teacher)
+    teacher = load_teacher(cfg.teacher, _teacher_dtype(env), env.device)
+    examples = data.text_blocks(tokenizer, cfg.data, cfg.seq_len)
+    n = teacher.config.num_hidden_layers
+    entropy = _entropy_ranking(cfg, teacher, tokenizer, env)
+    keep = layers.attention_layers(cfg.attention, n, entropy)
+    order = [i for i in (layers.conversion_order(entropy) if entropy else range(n)) if i not in keep]
+    args = _hybrid_args(cfg.hybrid)
+    torch.manual_seed(cfg.seed)
+    student = load_teacher(cfg.teacher)
+    for phase, layer in enumerate(order):
+        phase_cfg = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
+        phase_cfg.out = str(Path(cfg.out) / f"phase{phase:02d}-layer{layer}")
+        done = Path(phase_cfg.out) / "model"
+        if (done / "config.json").is_file():
+            if not resume:
+                raise TrainError(f"{done} exists: pass --resume to continue that run, or choose another out")
+            student = load_hybrid(done)
+            continue
+        kinds = mixer_types(student)
+        kinds[layer] = "dsla"
+        convert_layers(student, kinds, args)
+        mixer = student.model.layers[layer].dsla
+        student.requires_grad_(False)
+        mixer.requires_grad_(True)
+
+        def loss_fn(model, batch, mixer=mixer):
+            with torch.no_grad():
+                target = _logits(teacher, batch)
+            loss, parts = distill_loss(_logits(model, batch), target, batch["labels"], alpha=0.0, beta=1.0)
+            return loss + cfg.lam * mixer.similarity, {**parts, "gate_similarity": mixer.similarity.detach()}
+
+        student = train(phase_cfg, student, examples, loss_fn, resume, env, label=f"dsla layer {layer} ({phase + 1}/{len(order)})")
+        if env.main:
+            save_hybrid(student, done, tokenizer)
+        env.barrier()
+    if env.main:
+        save_hybrid(student, Path(cfg.out) / "model", tokenizer)
+    env.barrier()
+
+
+@torch.no_grad()
+def perplexity(cfg: PerplexityConfig, resume: bool = False):
+    """Perplexity of each model on the same token blocks; ratio to the first model."""
+    env = Dist()
+    tokenizer = load_tokenizer(cfg.models[0])
+    blocks = data.text_blocks(tokenizer, cfg.text, cfg.seq_len)[: cfg.max_blocks]
+    results = []
+    for path in cfg.models:
+        model = (load_teacher(path) if str(path).endswith(".gguf") else load_hybrid(path)).to(env.device).eval()
+        nll, count = 0.0, 0
+        for k in range(0, len(blocks), cfg.batch_size):
+            batch = {n: t.to(env.device) for n, t in data.collate(blocks[k : k + cfg.batch_size]).items()}
+            with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
+                logits = _logits(model, batch)
+            nll += float(nll_loss(logits, batch["labels"])) * batch["labels"].numel()
+            count += batch["labels"].numel()
+        kinds = mixer_types(model)
+        results.append({"model": str(path), "attention_layers": kinds.count("attention"), "layers": len(kinds),
+                        "ppl": float(torch.tensor(nll / count).exp()), "tokens": count})
+        del model
+    for r in results:
+        r["ratio"] = r["ppl"] / results[0]["ppl"]
+    if env.main:
+        out = Path(cfg.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        table = Table("model", "attention", "perplexity", "ratio to first")
+        for r in results:
+            table.add_row(r["model"], f"{r['attention_layers']}/{r['layers']}", f"{r['ppl']:.3f}", f"{r['ratio']:.3f}")
+        Console().print(table)
+    return results
+
+
+STAGES = {
+    "pseudo-labels": (pseudo_labels, PseudoLabelConfig),
+    "distill": (distill, DistillConfig),
+    "sft": (sft, SFTConfig),
+    "dpo": (dpo, DPOConfig),
+    "dsla": (dsla, DSLAConfig),
+    "perplexity": (perplexity, PerplexityConfig),
+}
