@@ -7,7 +7,9 @@ with an index or not. Tensors are read one at a time (MLX loads safetensors lazi
 `.bin` files), so converting never holds the whole model in memory.
 """
 
+import ctypes
 import json
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -147,6 +149,28 @@ def _to_mlx(t) -> mx.array:
     return mx.array(t.numpy())
 
 
+try:
+    _libc = ctypes.CDLL(None)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # no libc madvise (Windows): pages stay resident, as torch leaves them
+    _libc = None
+
+
+def _release(t):
+    """Drop the file pages under a converted tensor from the resident set.
+
+    torch maps the whole .bin file, and every page read stays resident until the state dict is
+    gone, so the process would end up holding the whole file. The pages are clean copies of the
+    file (private, never written), so dropping them is safe: touching them again re-reads the file.
+    """
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or _libc is None:
+        return
+    storage = t.untyped_storage()
+    start = storage.data_ptr() - storage.data_ptr() % mmap.PAGESIZE
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(storage.data_ptr() + storage.nbytes() - start), advice)
+
+
 def tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, mx.array]]:
     """Yield (name, array) for every tensor, one file and one tensor at a time."""
     for file in checkpoint.files:
@@ -157,7 +181,10 @@ def tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, mx.array]]:
         else:
             state = _load_bin(file)
             for name in list(state):
-                yield name, _to_mlx(state.pop(name))
+                t = state.pop(name)
+                a = _to_mlx(t)  # a copy
+                _release(t)
+                yield name, a
 
 
 def torch_state(checkpoint: Checkpoint) -> dict:
