@@ -8,7 +8,8 @@ group size 64) and mlx-lm's converter on the same files with the same settings. 
 reports its own peak resident set (ru_maxrss; Linux carries it over from the parent through
 fork and exec, so the source is built in another child and the parent stays small) and,
 sampled every 20 ms from /proc, the peak of its anonymous memory (RssAnon: what the process
-allocated, as opposed to file pages it mapped, which the kernel can drop at will). Writes a JSON file and a bar chart to benchmarks/results/.
+allocated, as opposed to file pages it mapped, which the kernel can drop at will).
+Writes a JSON file and a bar chart to benchmarks/results/.
 
     python benchmarks/convert_memory.py                 # safetensors source, both converters
     python benchmarks/convert_memory.py --bin           # also the PyTorch .bin source (mlx-hybrid only)
@@ -149,7 +150,8 @@ def main():
     }
     for i, (tool, source, quantize) in enumerate(jobs):
         r = measure(tool, source, work / f"out-{i}", quantize)
-        r.update(tool=tool, source="safetensors" if source == src else ".bin", output="4-bit g64" if quantize else "bf16")
+        kind = "safetensors" if source == src else ".bin"
+        r.update(tool=tool, source=kind, output="4-bit g64" if quantize else "bf16")
         result["runs"].append(r)
         print(f"{tool:10s} {r['source']:11s} -> {r['output']:9s}: peak RSS {r['peak_rss_mb'] / 1e3:.2f} GB, "
               f"anonymous {r['peak_anon_mb'] / 1e3:.2f} GB, {r['seconds']} s "

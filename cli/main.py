@@ -161,7 +161,7 @@ def generate(
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Checkpoint directory: Hugging Face Llama/Mistral, MambaInLlama release or llama_hybrid."),
+    src: Path = typer.Argument(..., help="Checkpoint: Hugging Face Llama/Mistral, MambaInLlama release or llama_hybrid."),
     dst: Path = typer.Argument(..., help="MLX model directory to write."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32. Default: as stored."),
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the linear layers and embeddings."),
@@ -171,7 +171,7 @@ def convert(
         "uniform", "--quant-recipe", help="uniform, or mixed: embeddings, LM head and SSM dt/gates stay float."
     ),
     force: bool = typer.Option(False, "--force", help="Replace DST if it exists."),
-    verify: bool = typer.Option(False, "--verify", help="Compare source (PyTorch) and converted logits on sample prompts."),
+    verify: bool = typer.Option(False, "--verify", help="Compare source (PyTorch) and converted logits on samples."),
 ):
     """Convert a PyTorch/Hugging Face checkpoint into an MLX model directory that --model takes."""
     from rich.progress import Progress

@@ -116,10 +116,18 @@ def _bad_file(file: Path, e: Exception) -> HybridError:
     return HybridError(f"cannot read {file}: truncated or corrupt {kind} ({reason})")
 
 
+def require_torch(purpose: str):
+    """torch, or a one-line error saying how to install it (it is an optional dependency)."""
+    try:
+        import torch
+    except ImportError:
+        raise HybridError(f"{purpose} needs PyTorch: pip install 'mlx-hybrid[torch]'") from None
+    return torch
+
+
 def _load_bin(file: Path) -> dict:
     """A PyTorch state dict, memory-mapped: tensors are paged in only when read."""
-    import torch
-
+    torch = require_torch(f"reading {file.name}")
     try:
         state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # zip/pickle errors of every kind

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_hybrid.convert.checkpoint import Checkpoint, torch_state
+from mlx_hybrid.convert.checkpoint import Checkpoint, require_torch, torch_state
 
 PROMPTS = (
     "The capital of France is",
@@ -49,9 +49,10 @@ def torch_model(checkpoint: Checkpoint):
 
 def verify(checkpoint: Checkpoint, dst: str | Path, prompts=PROMPTS) -> Verification:
     import mlx.core as mx
-    import torch
 
     from mlx_hybrid.loader import load
+
+    torch = require_torch("--verify")
 
     model, tokenizer = load(dst, "float32")
     reference = torch_model(checkpoint)
