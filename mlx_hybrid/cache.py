@@ -8,7 +8,8 @@ A recurrent layer's state cannot be rolled back token by token; instead `snapsho
 reference to the current state (MLX arrays are immutable, so this copies nothing) and `restore`
 returns to it. To verify speculative candidates, a recurrent layer runs them all and leaves a
 `pending` function that gives the state after any candidate; `accept` then keeps the state at
-the end of the accepted path, so accepted tokens are never run again.
+the end of the accepted path, so accepted tokens are never run again. A KV cache keeps the
+candidates' rows after such a pass and `accept` moves the accepted path's rows together.
 """
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ class KVCache:
         self.offset = 0  # absolute position of the next token
         self.start = 0  # absolute position of keys[..., 0, :]
         self.window = window
+        self.pending = None  # candidate rows appended by the last verification pass, until `accept`
 
     @property
     def size(self) -> int:
@@ -64,6 +66,34 @@ class KVCache:
         q_pos = mx.arange(self.offset - n, self.offset)[:, None]
         k_pos = mx.arange(self.start, self.offset)[None]
         return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
+
+    def make_tree_mask(self, tree) -> mx.array:
+        """Mask for the nodes of a candidate tree just appended (`tree.mask`: ancestor mask, None
+        for a chain) against everything held: every node sees the cache before the tree (within the
+        window), then itself and its ancestors."""
+        n = len(tree)
+        size = self.size
+        if tree.mask is None and self.window is None:
+            return "causal"
+        own = mx.tril(mx.ones((n, n), mx.bool_)) if tree.mask is None else tree.mask
+        mask = mx.concatenate([mx.ones((n, size - n), mx.bool_), own], axis=1)
+        if self.window is not None:
+            depth = mx.arange(n) if tree.depths is None else tree.depths
+            q_pos = (self.offset - n + depth)[:, None]
+            k_pos = mx.concatenate([mx.arange(self.start, self.offset - n), self.offset - n + depth])[None]
+            mask = mask & (q_pos - k_pos < self.window)
+        return mask
+
+    def accept(self, path: list[int]):
+        """Of the rows the last verification pass appended, keep those of the accepted path (node
+        indices, root first) in path order, and drop the rest."""
+        n, self.pending = self.pending, None
+        base = self.offset - n - self.start  # buffer row of node 0
+        if list(path) != list(range(len(path))):  # a prefix of the rows stays where it is
+            rows = mx.array([base + p for p in path])
+            self.keys[..., base : base + len(path), :] = self.keys[..., rows, :]
+            self.values[..., base : base + len(path), :] = self.values[..., rows, :]
+        self.offset = self.start + base + len(path)
 
     def trimmable(self) -> int:
         """How many of the newest tokens `trim` can remove and still serve later queries."""
@@ -130,6 +160,13 @@ class StateCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
+
+
+def accept_path(cache: list, path: list[int]):
+    """Every layer keeps the accepted path of the last verification pass (see `KVCache.accept`,
+    `StateCache.accept`)."""
+    for c in cache:
+        c.accept(path)
 
 
 def trim_cache(cache: list, n: int) -> int:

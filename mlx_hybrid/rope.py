@@ -36,3 +36,15 @@ def apply_rope(x: mx.array, freqs: mx.array, offset: int, traditional: bool = Fa
     return mx.fast.rope(
         x, x.shape[-1], traditional=traditional, base=None, scale=1.0, offset=offset, freqs=freqs
     )
+
+
+def apply_rope_at(x: mx.array, freqs: mx.array, positions: mx.array, traditional: bool = False) -> mx.array:
+    """Rotate x (1, heads, length, head_dim) for one position per token, given as (length,) ints.
+
+    Candidate-tree tokens are not consecutive (siblings share a position), so each token becomes
+    its own batch entry with its own offset: the same fused kernel, hence the same values, as
+    decoding the tokens one by one."""
+    x = x.swapaxes(0, 2)
+    return mx.fast.rope(
+        x, x.shape[-1], traditional=traditional, base=None, scale=1.0, offset=positions, freqs=freqs
+    ).swapaxes(0, 2)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache
-from mlx_hybrid.rope import apply_rope, rope_frequencies
+from mlx_hybrid.rope import apply_rope, apply_rope_at, rope_frequencies
 
 
 @dataclass
@@ -71,14 +71,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
         self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, tree=None) -> mx.array:
+        """With `tree` (a `mlx_hybrid.speculative.tree.Tree`), x holds candidate-tree nodes: each
+        sees the cache and its ancestors, at position cache offset + depth (see `KVCache.accept`)."""
         B, L, _ = x.shape
         qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
-        q = apply_rope(q, self._freqs, cache.offset)
-        k = apply_rope(k, self._freqs, cache.offset)
+        if tree is None or tree.depths is None:
+            q = apply_rope(q, self._freqs, cache.offset)
+            k = apply_rope(k, self._freqs, cache.offset)
+        else:
+            positions = cache.offset + tree.depths
+            q = apply_rope_at(q, self._freqs, positions)
+            k = apply_rope_at(k, self._freqs, positions)
         k, v = cache.update_and_fetch(k, v)
-        mask = cache.make_mask(L)
+        if tree is None:
+            mask = cache.make_mask(L)
+        else:
+            mask = cache.make_tree_mask(tree)
+            cache.pending = L
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -102,8 +113,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache: KVCache, tree=None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, tree)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -114,10 +125,10 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+    def __call__(self, tokens: mx.array, cache: list, tree=None) -> mx.array:
         h = self.embed_tokens(tokens)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
+            h = layer(h, c) if tree is None else layer(h, c, tree)
         return self.norm(h)
 
 
@@ -129,13 +140,15 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, tokens: mx.array, cache: list | None = None, return_hidden: bool = False):
+    def __call__(self, tokens: mx.array, cache: list | None = None, return_hidden: bool = False, tree=None):
         """Logits (batch, length, vocab) for tokens (batch, length); also the final hidden states if asked.
 
         Without a cache the tokens are a whole sequence from position 0 (a throwaway cache gives the
-        same masks, sliding window included, as generation uses).
+        same masks, sliding window included, as generation uses). With a `tree`
+        (`mlx_hybrid.speculative.tree.Tree`, batch 1) the tokens are speculative candidates that
+        continue the cache; the caches keep them pending until `accept(path)` (mlx_hybrid/cache.py).
         """
-        h = self.model(tokens, cache if cache is not None else self.make_cache())
+        h = self.model(tokens, cache if cache is not None else self.make_cache(), tree)
         logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
         return (logits, h) if return_hidden else logits
 

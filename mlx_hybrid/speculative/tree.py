@@ -1,0 +1,204 @@
+"""Candidate trees: what the target verifies in one forward pass, and how their nodes relate.
+
+A tree is a list of nodes in parent-before-child order; node t continues node `parents[t]`, and
+-1 means it continues the cache (node 0, the token the target produced last, is the only root in
+what this package builds). Attention layers see it as per-node positions (cache offset + depth)
+and an ancestor mask; recurrent layers use `parents` directly (`mlx_hybrid.models.hybrid`).
+
+Medusa builds its tree from paths of top-k ranks, one rank per head (`MedusaTree`), either the
+Cartesian product of per-head top-k or a sparse tree chosen greedily from measured head
+accuracies (`greedy_paths`). ReDrafter packs its beams by prefix de-duplication (`pack_beams`).
+"""
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class Tree:
+    """What a verification forward pass needs besides the tokens.
+
+    parents: node t continues node parents[t] (-1: the cache); parents precede children.
+    depths: (T,) int32, each node's distance from the cache (root 0): its position is the cache
+        offset plus its depth. None for a chain, where node t sits at depth t.
+    mask: (T, T) bool, mask[t, s] is True when s is t or one of its ancestors. None for a chain,
+        where it is the causal mask.
+    """
+
+    parents: list[int]
+    depths: mx.array | None = None
+    mask: mx.array | None = None
+
+    @classmethod
+    def from_parents(cls, parents: list[int]) -> "Tree":
+        parents = [int(p) for p in parents]
+        if parents == list(range(-1, len(parents) - 1)):
+            return cls(parents)
+        depth, mask = tree_depths(parents), ancestor_mask(parents)
+        return cls(parents, mx.array(depth, mx.int32), mx.array(mask))
+
+    @classmethod
+    def chain(cls, n: int) -> "Tree":
+        return cls(list(range(-1, n - 1)))
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+
+def check_parents(parents: list[int]):
+    for t, p in enumerate(parents):
+        if not -1 <= p < t:
+            raise ValueError(f"node {t} has parent {p}: parents must precede their children")
+
+
+def tree_depths(parents: list[int]) -> np.ndarray:
+    check_parents(parents)
+    depth = np.zeros(len(parents), np.int32)
+    for t, p in enumerate(parents):
+        depth[t] = 0 if p < 0 else depth[p] + 1
+    return depth
+
+
+def ancestor_mask(parents: list[int]) -> np.ndarray:
+    """mask[t, s]: node s is node t or one of its ancestors."""
+    check_parents(parents)
+    mask = np.zeros((len(parents), len(parents)), bool)
+    for t, p in enumerate(parents):
+        if p >= 0:
+            mask[t] = mask[p]
+        mask[t, t] = True
+    return mask
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root down to node."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def retrieve_indices(parents: list[int]) -> np.ndarray:
+    """One row per leaf: the nodes of its root-to-leaf path, padded with -1 to the deepest.
+
+    Every candidate sequence the tree holds is a prefix of one of these rows, so scoring the rows
+    scores every candidate (Medusa's `retrieve_indices`)."""
+    has_child = np.zeros(len(parents), bool)
+    for p in parents:
+        if p >= 0:
+            has_child[p] = True
+    paths = [path_to(parents, t) for t in range(len(parents)) if not has_child[t]]
+    width = max(len(p) for p in paths)
+    return np.array([p + [-1] * (width - len(p)) for p in paths], np.int32)
+
+
+class MedusaTree:
+    """A Medusa candidate tree from paths of top-k ranks (`medusa_choices`).
+
+    Node 0 is the target's own next token; a path [r0, r1, ..., rk] is the node holding head k's
+    rank-rk token, below the node of [r0, ..., r(k-1)]. Every prefix of a path must be a path too.
+    """
+
+    def __init__(self, paths: list[list[int]]):
+        paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+            raise ValueError("a Medusa tree needs non-empty paths of ranks >= 0")
+        node = {(): 0}
+        for p in paths:
+            if p[:-1] not in node:
+                raise ValueError(f"path {list(p)} lacks its prefix {list(p[:-1])} in the tree")
+            node[p] = len(node)
+        self.paths = [list(p) for p in paths]
+        self.num_heads = max(len(p) for p in paths)
+        # The largest rank used at each head: how many top-k tokens each head must supply.
+        self.topk = [max(p[d] for p in paths if len(p) > d) + 1 for d in range(self.num_heads)]
+        self.parents = [-1] + [node[p[:-1]] for p in paths]
+        # Where each node's token sits in [root, head 0's top-k, head 1's top-k, ...].
+        start = np.cumsum([1] + self.topk)
+        self.token_index = np.array([0] + [start[len(p) - 1] + p[-1] for p in paths], np.int32)
+        self.tree = Tree.from_parents(self.parents)
+        self.retrieve = retrieve_indices(self.parents)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def tokens(self, root: mx.array, head_topk: list[mx.array]) -> mx.array:
+        """The tree's tokens (T,) from the root token (1,) and each head's top-k tokens, best first."""
+        flat = mx.concatenate([root.reshape(1)] + [t[:k] for t, k in zip(head_topk, self.topk)])
+        return flat[mx.array(self.token_index)]
+
+
+def cartesian_paths(topk: list[int]) -> list[list[int]]:
+    """The paths of a Cartesian-product tree: every combination of head 0's top-topk[0] with head 1's
+    top-topk[1] ... (each prefix included, since every prefix is itself a candidate)."""
+    if not topk or min(topk) < 1:
+        raise ValueError(f"every head needs top-k >= 1, got {topk}")
+    return [list(p) for d in range(1, len(topk) + 1) for p in itertools.product(*(range(k) for k in topk[:d]))]
+
+
+def greedy_paths(accuracies, num_nodes: int) -> list[list[int]]:
+    """The sparse tree of num_nodes candidates (root not counted) with the most expected accepted
+    tokens, as in Medusa section 3.3.1: accuracies[h][k] is how often head h's rank-k token is the
+    right one, a candidate's chance of acceptance is the product along its path, and the expected
+    length is their sum. Since extending a path never raises its product, taking the best frontier
+    node num_nodes times is optimal and keeps every prefix in the tree."""
+    acc = np.asarray(accuracies, np.float64)
+    heads, ranks = acc.shape
+    frontier = [(-acc[0, k], (k,)) for k in range(ranks)]
+    heapq.heapify(frontier)
+    paths = []
+    while frontier and len(paths) < num_nodes:
+        neg, path = heapq.heappop(frontier)
+        paths.append(list(path))
+        if len(path) < heads:
+            for k in range(ranks):
+                heapq.heappush(frontier, (neg * acc[len(path), k], path + (k,)))
+    return paths
+
+
+def expected_length(paths: list[list[int]], accuracies) -> float:
+    """Expected accepted tokens per step (root included) of a tree under independent head accuracies."""
+    acc = np.asarray(accuracies, np.float64)
+    return 1.0 + sum(float(np.prod([acc[d, r] for d, r in enumerate(p)])) for p in paths)
+
+
+@dataclass
+class PackedBeam:
+    """Beams with shared prefixes stored once (ReDrafter section 3.3).
+
+    tokens: (T,) the unique prefixes' last tokens, beam-major (parents before children).
+    parents: node t continues node parents[t]; node 0 is the shared first token.
+    node_of: (BW, BL) the node of each beam position: position l of beam b is node node_of[b, l].
+    """
+
+    tokens: np.ndarray
+    parents: list[int]
+    node_of: np.ndarray
+
+    @property
+    def tree(self) -> Tree:
+        return Tree.from_parents(self.parents)
+
+
+def pack_beams(beams) -> PackedBeam:
+    """De-duplicate the prefixes of equal-length beams (BW, BL) without building a trie.
+
+    Two beam positions (b, l) and (c, l) are one node when beams b and c agree on tokens 0..l:
+    equal[b, c, l] = all(beams[b, :l+1] == beams[c, :l+1]) is a cumulative product, and each
+    position maps to the first beam sharing its prefix (ReDrafter appendix A.1)."""
+    beams = np.asarray(beams)
+    width, length = beams.shape
+    equal = np.cumprod(beams[:, None, :] == beams[None, :, :], axis=2).astype(bool)  # (BW, BW, BL)
+    first = equal.argmax(axis=1)  # (BW, BL): first beam with the same prefix
+    new = first == np.arange(width)[:, None]
+    index = np.cumsum(new.reshape(-1)).reshape(width, length) - 1  # node number of each new prefix
+    node_of = index[first, np.arange(length)[None, :]]
+    tokens = beams.reshape(-1)[new.reshape(-1)]
+    parents = np.full(len(tokens), -1, np.int64)
+    b, l = np.nonzero(new)
+    parents[index[b, l][l > 0]] = node_of[b[l > 0], l[l > 0] - 1]
+    return PackedBeam(tokens, parents.tolist(), node_of)

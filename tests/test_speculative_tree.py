@@ -1,0 +1,179 @@
+"""Tree machinery of speculative decoding, on hand-built examples, and Llama verification passes
+against plain decoding of each candidate path (the independent reference).
+
+Verification: a random float32 Llama/Mistral consumes a prefix, then a candidate tree in one
+forward pass; every node's logits must equal those of running the prefix plus the node's path as
+one ordinary sequence (atol 1e-4: same model, only the order of summation differs). After
+`accept(path)` the cache must continue exactly like a cache that consumed the path.
+"""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from factories import make_hf_model_dir
+
+from mlx_hybrid.cache import KVCache, accept_path
+from mlx_hybrid.loader import load_model
+from mlx_hybrid.speculative.tree import (
+    MedusaTree,
+    Tree,
+    ancestor_mask,
+    cartesian_paths,
+    expected_length,
+    greedy_paths,
+    pack_beams,
+    path_to,
+    retrieve_indices,
+    tree_depths,
+)
+
+ATOL = 1e-4
+# Two levels below the root, uneven: 0 -> {1, 2}, 1 -> {3, 4}, 2 -> {5}, 4 -> {6}.
+PARENTS = [-1, 0, 0, 1, 1, 2, 4]
+
+
+def test_depths_mask_retrieve():
+    assert tree_depths(PARENTS).tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert ancestor_mask(PARENTS).astype(int).tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 1, 0, 1],
+    ]
+    assert retrieve_indices(PARENTS).tolist() == [[0, 1, 3, -1], [0, 2, 5, -1], [0, 1, 4, 6]]
+    tree = Tree.from_parents(PARENTS)
+    assert np.array(tree.depths).tolist() == [0, 1, 1, 2, 2, 2, 3]
+    chain = Tree.from_parents([-1, 0, 1, 2])
+    assert chain.depths is None and chain.mask is None  # a chain runs as ordinary causal attention
+    with pytest.raises(ValueError, match="precede"):
+        tree_depths([-1, 2, 0])
+
+
+def test_medusa_tree_from_paths():
+    t = MedusaTree([[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 2]])
+    assert t.paths == [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 2]]
+    assert t.parents == [-1, 0, 0, 1, 1, 2, 3]
+    assert t.topk == [2, 2, 3]
+    # Flat token layout: [root, head0 top-2, head1 top-2, head2 top-3].
+    assert t.token_index.tolist() == [0, 1, 2, 3, 4, 3, 7]
+    tokens = t.tokens(mx.array([9]), [mx.array([10, 11, 12]), mx.array([20, 21]), mx.array([30, 31, 32])])
+    assert tokens.tolist() == [9, 10, 11, 20, 21, 20, 32]
+    assert np.array(t.tree.depths).tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert t.retrieve.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
+    with pytest.raises(ValueError, match="prefix"):
+        MedusaTree([[0, 1]])
+
+
+def test_cartesian_paths():
+    paths = cartesian_paths([2, 3])
+    assert paths == [[0], [1], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    tree = MedusaTree(paths)
+    assert len(tree) == 1 + 2 + 6 and len(tree.retrieve) == 6
+
+
+def test_greedy_paths():
+    acc = [[0.6, 0.2], [0.5, 0.1]]
+    # Path products: [0] .6, [0,0] .3, [1] .2, [1,0] .1, [0,1] .06, [1,1] .02.
+    assert greedy_paths(acc, 3) == [[0], [0, 0], [1]]
+    assert greedy_paths(acc, 10) == [[0], [0, 0], [1], [1, 0], [0, 1], [1, 1]]
+    assert expected_length([[0], [0, 0], [1]], acc) == pytest.approx(1 + 0.6 + 0.3 + 0.2)
+    # Against brute force over all prefix-closed trees of 4 nodes on 3 heads x 3 ranks.
+    rng = np.random.default_rng(0)
+    acc = np.sort(rng.uniform(0, 1, (3, 3)), axis=1)[:, ::-1]
+    every = cartesian_paths([3, 3, 3])
+    best = max(
+        expected_length(list(c), acc)
+        for c in itertools.combinations(every, 4)
+        if all(len(p) == 1 or list(p[:-1]) in [list(q) for q in c] for p in c)
+    )
+    assert expected_length(greedy_paths(acc, 4), acc) == pytest.approx(best)
+
+
+def test_pack_beams_hand_example():
+    beams = [[5, 1, 2], [5, 1, 3], [5, 4, 2], [5, 1, 2]]
+    packed = pack_beams(beams)
+    assert packed.tokens.tolist() == [5, 1, 2, 3, 4, 2]
+    assert packed.parents == [-1, 0, 1, 1, 0, 4]
+    assert packed.node_of.tolist() == [[0, 1, 2], [0, 1, 3], [0, 4, 5], [0, 1, 2]]
+
+
+def test_pack_beams_random():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        beams = rng.integers(0, 3, (6, 4))
+        beams[:, 0] = 7
+        p = pack_beams(beams)
+        prefixes = [tuple(p.tokens[path_to(p.parents, t)]) for t in range(len(p.tokens))]
+        # Exactly the distinct prefixes of the beams, each once, parents before children.
+        assert sorted(prefixes) == sorted({tuple(b[: l + 1]) for b in beams.tolist() for l in range(4)})
+        assert all(-1 <= par < t for t, par in enumerate(p.parents))
+        for b in range(6):
+            assert p.tokens[p.node_of[b]].tolist() == beams[b].tolist()
+            assert [p.parents[n] for n in p.node_of[b]] == [-1] + p.node_of[b, :-1].tolist()
+
+
+def test_kv_cache_accept_compacts():
+    cache = KVCache()
+    rows = lambda a, b: mx.broadcast_to(mx.arange(a, b, dtype=mx.float32)[None, None, :, None], (1, 2, b - a, 4))
+    cache.update_and_fetch(rows(0, 5), rows(100, 105))  # a 5-token prefix
+    cache.update_and_fetch(rows(5, 11), rows(105, 111))  # 6 candidate nodes
+    cache.pending = 6
+    cache.accept([0, 2, 5])
+    assert cache.offset == 8 and cache.pending is None
+    k, v = cache.update_and_fetch(rows(50, 51), rows(150, 151))
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50]
+    assert v[0, 1, :, 3].tolist() == [100, 101, 102, 103, 104, 105, 107, 110, 150]
+    # A path that is a prefix of the rows is a plain trim.
+    cache.update_and_fetch(rows(60, 63), rows(160, 163))
+    cache.pending = 3
+    cache.accept([0, 1])
+    assert cache.offset == 11 and cache.keys[0, 0, :11, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50, 60, 61]
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def model(request, tmp_path_factory):
+    extra = dict(sliding_window=6) if request.param == "mistral" else {}
+    path = make_hf_model_dir(tmp_path_factory.mktemp(request.param), request.param, seed=3, tokenizer=False, **extra)
+    return load_model(path, "float32")
+
+
+def test_tree_pass_equals_plain_decoding(model):
+    rng = np.random.default_rng(2)
+    vocab = model.args.vocab_size
+    prefix = rng.integers(0, vocab, 11).tolist()
+    tokens = rng.integers(0, vocab, len(PARENTS)).tolist()
+    cache = model.make_cache()
+    model(mx.array([prefix]), cache)
+    logits, hidden = model(mx.array([tokens]), cache, return_hidden=True, tree=Tree.from_parents(PARENTS))
+    for node in range(len(PARENTS)):
+        path = path_to(PARENTS, node)
+        ref_logits, ref_hidden = model(mx.array([prefix + [tokens[t] for t in path]]), return_hidden=True)
+        np.testing.assert_allclose(np.array(logits[0, node]), np.array(ref_logits[0, -1]), atol=ATOL, err_msg=f"node {node}")
+        np.testing.assert_allclose(np.array(hidden[0, node]), np.array(ref_hidden[0, -1]), atol=ATOL)
+
+    path = [0, 1, 4, 6]
+    accept_path(cache, path)
+    assert cache[0].offset == len(prefix) + len(path)
+    nxt = rng.integers(0, vocab, 3).tolist()
+    got = model(mx.array([nxt]), cache)
+    ref = model(mx.array([prefix + [tokens[t] for t in path] + nxt]))
+    np.testing.assert_allclose(np.array(got[0]), np.array(ref[0, -3:]), atol=ATOL)
+
+
+def test_chain_pass_then_accept_is_a_trim(model):
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, model.args.vocab_size, 9).tolist()
+    chain = rng.integers(0, model.args.vocab_size, 5).tolist()
+    cache = model.make_cache()
+    model(mx.array([prefix]), cache)
+    logits = model(mx.array([chain]), cache, tree=Tree.chain(5))
+    ref = model(mx.array([prefix + chain]))
+    np.testing.assert_allclose(np.array(logits[0]), np.array(ref[0, -5:]), atol=ATOL)
+    accept_path(cache, [0, 1])
+    got = model(mx.array([chain[2:3]]), cache)
+    np.testing.assert_allclose(np.array(got[0, -1]), np.array(ref[0, len(prefix) + 2]), atol=ATOL)
