@@ -172,6 +172,10 @@ def convert(
     ),
     force: bool = typer.Option(False, "--force", help="Replace DST if it exists."),
     verify: bool = typer.Option(False, "--verify", help="Compare source (PyTorch) and converted logits on samples."),
+    medusa: Optional[Path] = typer.Option(None, "--medusa", help="Medusa heads (FasterDecoding layout) -> DST/medusa."),
+    redrafter: Optional[Path] = typer.Option(
+        None, "--redrafter", help="ReDrafter drafter (apple/ml-recurrent-drafter layout) -> DST/redrafter."
+    ),
 ):
     """Convert a PyTorch/Hugging Face checkpoint into an MLX model directory that --model takes."""
     from rich.progress import Progress
@@ -183,6 +187,7 @@ def convert(
         convert_checkpoint(
             src, dst, dtype, quantize, bits, group_size, recipe, force,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
+            medusa=medusa, redrafter=redrafter,
         )
     quant = f", {bits}-bit {recipe} (group size {group_size})" if quantize else ""
     out.print(f"Wrote {dst}{quant}", markup=False)

@@ -77,7 +77,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     files = weight_files(path)
     shapes = {}
     for file in files:
-        for name, shape in _read_shapes(file).items():
+        for name, shape in read_shapes(file).items():
             if name in shapes:
                 raise HybridError(f"tensor '{name}' appears twice in {path}")
             shapes[name] = shape
@@ -144,7 +144,7 @@ def _load_safetensors(file: Path) -> dict[str, mx.array]:
         raise _bad_file(file, e) from None
 
 
-def _read_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+def read_shapes(file: Path) -> dict[str, tuple[int, ...]]:
     tensors = _load_safetensors(file) if file.suffix == ".safetensors" else _load_bin(file)
     return {name: tuple(t.shape) for name, t in tensors.items()}
 
@@ -179,20 +179,25 @@ def _release(t):
     _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(storage.data_ptr() + storage.nbytes() - start), advice)
 
 
+def file_tensors(file: Path) -> Iterator[tuple[str, mx.array]]:
+    """Yield (name, array) for every tensor of one safetensors or PyTorch file, one at a time."""
+    if file.suffix == ".safetensors":
+        arrays = _load_safetensors(file)
+        for name in list(arrays):
+            yield name, arrays.pop(name)
+    else:
+        state = _load_bin(file)
+        for name in list(state):
+            t = state.pop(name)
+            a = _to_mlx(t)  # a copy
+            _release(t)
+            yield name, a
+
+
 def tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, mx.array]]:
     """Yield (name, array) for every tensor, one file and one tensor at a time."""
     for file in checkpoint.files:
-        if file.suffix == ".safetensors":
-            arrays = _load_safetensors(file)
-            for name in list(arrays):
-                yield name, arrays.pop(name)
-        else:
-            state = _load_bin(file)
-            for name in list(state):
-                t = state.pop(name)
-                a = _to_mlx(t)  # a copy
-                _release(t)
-                yield name, a
+        yield from file_tensors(file)
 
 
 def torch_state(checkpoint: Checkpoint) -> dict:

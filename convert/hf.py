@@ -29,9 +29,11 @@ from mlx_hybrid.convert.checkpoint import (
     TOKENIZER_FILES,
     Checkpoint,
     check_shapes,
+    file_tensors,
     open_checkpoint,
     tensors,
 )
+from mlx_hybrid.convert.heads import check, medusa_plan, output_name, redrafter_plan
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.loader import DTYPES
 from mlx_hybrid.models.hybrid import FP32_PARAMS
@@ -136,9 +138,13 @@ def convert(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     shard_bytes: int = SHARD_BYTES,
+    medusa: str | Path | None = None,
+    redrafter: str | Path | None = None,
 ) -> Path:
     """Write the MLX model directory for checkpoint `src` at `dst`; returns dst.
 
+    medusa / redrafter: directories of heads in the FasterDecoding/Medusa or apple/ml-recurrent-drafter
+    layout, converted alongside into dst/medusa/ and dst/redrafter/ (`mlx_hybrid/speculative/FORMAT.md`).
     dtype None keeps each tensor's stored float dtype. Everything is written into a temporary
     directory beside dst and renamed at the end, so a failed or interrupted run leaves no dst;
     an existing dst is replaced only with force.
@@ -157,6 +163,12 @@ def convert(
     quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if quantize else None
     if quant and not any(quantizes(name, shape, group_size, recipe) for name, shape in expected.items()):
         raise HybridError(f"nothing to quantize: no layer's input width is a multiple of --group-size {group_size}")
+    heads = []
+    for kind, path, plan in (("medusa", medusa, medusa_plan), ("redrafter", redrafter, redrafter_plan)):
+        if path is not None:
+            file, head_config, shapes = plan(path, checkpoint.config)
+            check(kind, file, shapes)
+            heads.append((kind, file, dict(head_config, **({"quantization": quant} if quant else {}))))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
@@ -171,6 +183,15 @@ def convert(
             if progress:
                 progress(done, len(checkpoint.shapes))
         writer.finish()
+        for kind, file, head_config in heads:
+            (tmp / kind).mkdir()
+            head_writer = ShardWriter(tmp / kind, shard_bytes)
+            for name, a in file_tensors(file):
+                for out_name, out in convert_tensor(output_name(kind, name), a, dtype, quant, "uniform").items():
+                    mx.eval(out)
+                    head_writer.add(out_name, out)
+            head_writer.finish()
+            (tmp / kind / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
         for file in TOKENIZER_FILES + TOKENIZER_EXTRAS:
             if (src / file).is_file():
                 shutil.copyfile(src / file, tmp / file)

@@ -359,3 +359,146 @@ def test_failure_after_writing_started_leaves_nothing(monkeypatch, plain, tmp_pa
 def test_api_errors_are_hybrid_errors(plain, tmp_path):
     with pytest.raises(HybridError, match="source directory not found"):
         convert(tmp_path / "nowhere", tmp_path / "dst")
+
+
+# ---- speculative heads in their released layouts (mlx_hybrid/speculative/FORMAT.md) ----
+
+
+class ResBlock(torch.nn.Module):
+    """The ResBlock of both releases: x + silu(linear(x))."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + F.silu(self.linear(x))
+
+
+def medusa_heads(H, V, heads, layers):
+    """FasterDecoding/Medusa's `MedusaModel.medusa_head` (one ResBlock object repeated `layers` times, as released)."""
+    return torch.nn.ModuleList(
+        [torch.nn.Sequential(*([ResBlock(H)] * layers), torch.nn.Linear(H, V, bias=False)) for _ in range(heads)]
+    )
+
+
+class Drafter(torch.nn.Module):
+    """apple/ml-recurrent-drafter's `Drafter`: its modules, and one step of its drafting loop."""
+
+    def __init__(self, H, V, exit_dim, layers, rnn):
+        super().__init__()
+        self.rnn = rnn
+        if exit_dim != 2 * H:
+            self.input_proj = torch.nn.Linear(2 * H, exit_dim, bias=True)
+        self.lm_head = torch.nn.Sequential(*[ResBlock(exit_dim) for _ in range(layers)],
+                                           torch.nn.Linear(exit_dim, V, bias=False))
+        if rnn:
+            self.rnn_u = torch.nn.Linear(H, H, bias=True)
+            self.rnn_w = torch.nn.Linear(H, H, bias=False)
+
+    def step(self, context, state, embedding):
+        state = F.silu(self.rnn_w(embedding) + self.rnn_u(state)) if self.rnn else embedding + state
+        x = torch.cat([context, state], dim=-1)
+        return state, self.lm_head(self.input_proj(x) if hasattr(self, "input_proj") else x)
+
+
+def read_dir(path) -> tuple[dict, dict]:
+    """config.json and every tensor of a converted directory as float32 numpy, dequantized where quantized."""
+    config = json.loads((path / "config.json").read_text())
+    raw = {}
+    for f in path.glob("*.safetensors"):
+        raw.update(mx.load(str(f)))
+    q = config.get("quantization")
+    out = {}
+    for name, a in raw.items():
+        module, _, param = name.rpartition(".")
+        if param in ("scales", "biases"):
+            continue
+        if param == "weight" and f"{module}.scales" in raw:
+            a = mx.dequantize(a, raw[f"{module}.scales"], raw[f"{module}.biases"], q["group_size"], q["bits"])
+        out[name] = np.array(a.astype(mx.float32))
+    return config, out
+
+
+def np_resblock(x, w, b):
+    y = x @ w.T + b
+    return x + y / (1 + np.exp(-y))
+
+
+def test_medusa_and_redrafter_heads_round_trip(source, tmp_path):
+    """Released-layout heads convert beside the model; FORMAT.md's equations on the converted tensors give the
+    torch modules' logits (float), and quantized heads stay within one quantization step of the source (what MLX's
+    affine rounding guarantees: up to 0.77 step measured; a misplaced group would be off by ~100 steps)."""
+    src = source("llama")
+    target = json.loads((src / "config.json").read_text())
+    H, V = target["hidden_size"], target["vocab_size"]
+    torch.manual_seed(0)
+    medusa_dir, drafter_dir = tmp_path / "medusa-release", tmp_path / "drafter-release"
+    medusa_dir.mkdir()
+    heads = medusa_heads(H, V, heads=3, layers=2)
+    torch.save(heads.state_dict(), medusa_dir / "medusa_lm_head.pt")
+    (medusa_dir / "config.json").write_text(json.dumps(
+        {"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "local"}))
+    drafter_dir.mkdir()
+    drafter = Drafter(H, V, exit_dim=96, layers=2, rnn=True)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(drafter_dir / "model.safetensors"))
+    (drafter_dir / "config.json").write_text(json.dumps(
+        {"model_type": "recurrent_drafting_drafter", "vocab_size": V, "hidden_size": H, "exit_dim": 96,
+         "num_draft_layers": 2, "num_lookback_tokens": -1, "rnn": True}))
+
+    dst = convert(src, tmp_path / "out", dtype="float32", medusa=medusa_dir, redrafter=drafter_dir)
+    load_model(dst)
+    h, s, e = (torch.randn(5, H) for _ in range(3))
+    config, w = read_dir(dst / "medusa")
+    assert config == {"model_type": "medusa", "medusa_num_heads": 3, "medusa_num_layers": 2, "hidden_size": H,
+                      "vocab_size": V}
+    with torch.no_grad():
+        for i in range(3):
+            x = h.numpy()
+            for j in range(2):
+                x = np_resblock(x, w[f"medusa_head.{i}.{j}.linear.weight"], w[f"medusa_head.{i}.{j}.linear.bias"])
+            np.testing.assert_allclose(x @ w[f"medusa_head.{i}.2.weight"].T, heads[i](h).numpy(), atol=1e-5)
+        config, w = read_dir(dst / "redrafter")
+        assert config["model_type"] == "recurrent_drafting_drafter" and config["exit_dim"] == 96
+        y = e.numpy() @ w["rnn_w.weight"].T + s.numpy() @ w["rnn_u.weight"].T + w["rnn_u.bias"]
+        state = y / (1 + np.exp(-y))
+        x = np.concatenate([h.numpy(), state], -1) @ w["input_proj.weight"].T + w["input_proj.bias"]
+        for j in range(2):
+            x = np_resblock(x, w[f"lm_head.{j}.linear.weight"], w[f"lm_head.{j}.linear.bias"])
+        want_state, want_logits = drafter.step(h, s, e)
+        np.testing.assert_allclose(state, want_state.numpy(), atol=1e-5)
+        np.testing.assert_allclose(x @ w["lm_head.2.weight"].T, want_logits.numpy(), atol=1e-5)
+
+    dst = convert(src, tmp_path / "q", quantize=True, bits=8, group_size=32, medusa=medusa_dir, redrafter=drafter_dir)
+    load_model(dst)
+    for kind, module in (("medusa", heads), ("redrafter", drafter)):
+        config, w = read_dir(dst / kind)
+        assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+        stored = {}
+        for f in (dst / kind).glob("*.safetensors"):
+            stored.update(mx.load(str(f)))
+        for name, t in module.state_dict().items():
+            name = f"medusa_head.{name}" if kind == "medusa" else name
+            if name.endswith(".weight") and t.dim() == 2:
+                scales = np.abs(np.repeat(np.array(stored[name.removesuffix("weight") + "scales"]), 32, axis=-1))
+                assert stored[name].dtype == mx.uint32, name
+                assert (np.abs(w[name] - t.detach().numpy()) <= scales * 1.001 + 1e-7).all(), name
+
+
+def test_mismatched_heads_fail_in_one_line(monkeypatch, capsys, source, tmp_path):
+    src = source("llama")
+    wrong = tmp_path / "medusa"
+    wrong.mkdir()
+    torch.save(medusa_heads(48, 320, heads=2, layers=1).state_dict(), wrong / "medusa_lm_head.pt")
+    (wrong / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    dst = tmp_path / "dst"
+    code, _, err = run(monkeypatch, capsys, "convert", src, dst, "--medusa", wrong)
+    assert_one_line_error(code, err, "medusa_head.0.0.linear.weight", "[48, 48]", "[64, 64]")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(
+        {"model_type": "recurrent_drafting_drafter", "vocab_size": 320, "hidden_size": 32, "exit_dim": 64,
+         "num_draft_layers": 1, "rnn": False}))
+    code, _, err = run(monkeypatch, capsys, "convert", src, dst, "--redrafter", drafter)
+    assert_one_line_error(code, err, "hidden_size 32 differs from the model's 64")
+    assert not dst.exists() and not _leftovers(tmp_path, dst)
