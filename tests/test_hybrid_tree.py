@@ -14,7 +14,8 @@ from factories import make_hybrid_dir
 
 from mlx_hybrid.cache import StateCache
 from mlx_hybrid.loader import load_model
-from mlx_hybrid.models.hybrid import ancestor_index, ancestor_mask
+from mlx_hybrid.models.hybrid import ancestor_index
+from mlx_hybrid.speculative.tree import Tree, path_to
 
 ATOL = 1e-5
 # Parent-before-child order; two roots (-1: the cached state), a chain longer than the conv
@@ -22,30 +23,15 @@ ATOL = 1e-5
 TREE = [-1, 0, 0, 1, 1, 2, -1, 3, 7, 6]
 
 
-def path_to(parents, node):
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def test_ancestor_index_and_mask():
+def test_ancestor_index():
     # K = 4: positions 0-2 are the cached window, node t sits at 3 + t.
     idx = np.array(ancestor_index([-1, 0, 0, 1, -1], 4))
     assert idx.tolist() == [[0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5], [2, 3, 4, 6], [0, 1, 2, 7]]
-    mask = np.array(ancestor_mask([-1, 0, 0, 1, -1]))
-    assert mask.astype(int).tolist() == [
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [1, 0, 1, 0, 0],
-        [1, 1, 0, 1, 0],
-        [0, 0, 0, 0, 1],
-    ]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path, _ = make_hybrid_dir(tmp_path_factory.mktemp("tree") / "m", ["mamba", "mamba2", "dsla"], seed=4)
+    path, _ = make_hybrid_dir(tmp_path_factory.mktemp("tree") / "m", ["mamba", "mamba2", "dsla", "attention"], seed=4)
     return load_model(path, "float32")
 
 
@@ -77,3 +63,32 @@ def test_tree_pass_equals_decoding_each_path(model, layer):
         assert accepted.offset == ref.offset
         for got, want in zip(accepted.arrays, ref.arrays):
             np.testing.assert_allclose(np.array(got), np.array(want), atol=ATOL, err_msg=f"state after node {node}")
+
+
+def test_hybrid_model_verifies_a_tree(model):
+    """The whole hybrid (Mamba, Mamba2, DSLA and attention layers) verifies a candidate tree in
+    one pass: each node's logits equal decoding its path token by token, and after accepting a
+    path the cache continues exactly as if the path had been decoded."""
+    tree_parents = [-1, 0, 0, 1, 1, 2, 3, 6]  # one root: the token the target produced last
+    prompt = mx.array([[3, 14, 15, 9, 26, 5]])
+    nodes = mx.array([[7, 11, 2, 30, 8, 19, 4, 21]])
+    cache = model.make_cache()
+    model(prompt, cache)
+    logits = model(nodes, cache, tree=Tree.from_parents(tree_parents))
+
+    def fresh_after(path):
+        ref = model.make_cache()
+        model(prompt, ref)
+        return ref, [model(nodes[:, t : t + 1], ref) for t in path]
+
+    for node in range(len(tree_parents)):
+        _, steps = fresh_after(path_to(tree_parents, node))
+        np.testing.assert_allclose(np.array(logits[:, node]), np.array(steps[-1][:, 0]), atol=1e-4, err_msg=f"node {node}")
+
+    path = path_to(tree_parents, 7)  # 0 -> 1 -> 3 -> 6 -> 7: a branch off the first children
+    for c in cache:
+        c.accept(path)
+    ref, _ = fresh_after(path)
+    nxt = mx.array([[12]])
+    np.testing.assert_allclose(np.array(model(nxt, cache)), np.array(model(nxt, ref)), atol=1e-4)
+    assert [c.offset for c in cache] == [c.offset for c in ref]

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.models import llama
 from mlx_hybrid.scan import kernel_backend, selective_scan, ssm_step
+from mlx_hybrid.speculative.tree import ancestor_mask
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
 LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")
@@ -82,16 +83,6 @@ def ancestor_index(parents: list[int], K: int) -> mx.array:
             parent = parents[p - (K - 1)] if p >= K - 1 else None
             row.append(p - 1 if parent is None else (K - 1 + parent if parent >= 0 else K - 2))
         rows.append(row[::-1])
-    return mx.array(rows)
-
-
-def ancestor_mask(parents: list[int]) -> mx.array:
-    """mask[t, s]: node s is node t or one of its ancestors."""
-    rows = []
-    for t, p in enumerate(parents):
-        row = list(rows[p]) if p >= 0 else [False] * len(parents)
-        row[t] = True
-        rows.append(row)
     return mx.array(rows)
 
 
@@ -366,7 +357,7 @@ class DSLA(nn.Module):
         g2 = self._heads(nn.log_sigmoid(self.gate2_up(self.gate2_down(u)).astype(mx.float32)) / self.gate_norm)
         s1, s2 = cache.arrays or [mx.zeros((B, self.n_heads, self.head_dim, self.head_dim))] * 2
         if parents is not None:
-            visible = ancestor_mask(parents)
+            visible = mx.array(ancestor_mask(parents))
             (o1, after1), (o2, after2) = (gated_linear_attention_tree(q, k, v, g, s, visible) for g, s in ((g1, s1), (g2, s2)))
             cache.pending = lambda node: [after1(node), after2(node)]
         else:
@@ -396,8 +387,14 @@ class HybridLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self[MIXER_NAME[self.kind]]
 
-    def __call__(self, x: mx.array, cache) -> mx.array:
-        h = x + self.mixer(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache, tree=None) -> mx.array:
+        """With `tree` (`mlx_hybrid.speculative.tree.Tree`) x holds speculative candidates:
+        attention sees the tree's positions and mask, a recurrent layer its parents."""
+        x_norm = self.input_layernorm(x)
+        if tree is None:
+            h = x + self.mixer(x_norm, cache)
+        else:
+            h = x + self.mixer(x_norm, cache, tree if self.kind == "attention" else tree.parents)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
