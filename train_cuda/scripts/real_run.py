@@ -1,0 +1,114 @@
+"""The real run: pseudo-labels -> 50% hybrid -> 25% hybrid, and perplexity of teacher and students
+on held-out text (the shape of "The Mamba in the Llama" Table 6: the ratio to the teacher).
+
+    python train_cuda/scripts/real_run.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--tiny] [--resume]
+
+TEACHER: a Hugging Face Llama/Mistral directory, or a .gguf file (converted once into OUT/teacher;
+needs the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a
+line (scripts/fetch_corpus.py writes them). Each stage runs as its own `python -m hybrid_train`
+command from a config written to OUT/configs/ (settings: configs/real_run.yaml); --tiny shrinks
+every size for a CPU smoke test. A stage whose model already exists is skipped, so a killed run
+restarted with --resume goes on where it stopped. OUT/report.json gets the numbers and timings.
+"""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+SETTINGS = HERE.parent / "configs" / "real_run.yaml"
+TINY = {  # sizes for the CPU test of this script
+    "prompts": {"max_prompts": 8},
+    "pseudo-labels": {"max_new_tokens": 16, "batch_size": 4},
+    "distill50": {"steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+    "distill25": {"steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+    "perplexity": {"seq_len": 32, "max_blocks": 4},
+}
+
+
+def make_prompts(text: Path, sentences: int, stride: int, max_prompts: int) -> list[str]:
+    """Windows of consecutive sentences from each document (line) of the training text."""
+    prompts = []
+    for doc in text.read_text(encoding="utf-8").splitlines():
+        parts = [s for s in re.split(r"(?<=[.!?])\s+", doc.strip()) if s]
+        prompts += [" ".join(parts[i : i + sentences]) for i in range(0, max(1, len(parts) - sentences), stride)]
+    return prompts[:max_prompts]
+
+
+def stage(name: str, cfg: dict, out: Path, resume: bool, timings: dict):
+    path = out / "configs" / f"{name}.json"
+    path.write_text(json.dumps(cfg, indent=1) + "\n")
+    kind = "distill" if name.startswith("distill") else name
+    cmd = [sys.executable, "-m", "hybrid_train", kind, "--config", str(path)] + (["--resume"] if resume else [])
+    began = time.time()
+    subprocess.run(cmd, check=True, cwd=HERE.parent)
+    timings[name] = round(time.time() - began, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--teacher", required=True)
+    parser.add_argument("--corpus", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    settings = yaml.safe_load(SETTINGS.read_text())
+    if args.tiny:
+        for section, values in TINY.items():
+            settings[section].update(values)
+    out = args.out.resolve()
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    began = time.time()
+
+    teacher = Path(args.teacher).resolve()
+    if teacher.suffix == ".gguf":
+        hf = out / "teacher"
+        if not (hf / "config.json").is_file():
+            t = time.time()
+            subprocess.run([sys.executable, "-m", "hybrid_train", "gguf-to-hf", str(teacher), str(hf)], check=True, cwd=HERE.parent)
+            timings["gguf-to-hf"] = round(time.time() - t, 1)
+        teacher = hf
+    config = json.loads((teacher / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+    prompts = out / "prompts.txt"
+    p = settings["prompts"]
+    prompts.write_text("\n".join(make_prompts(args.corpus / "train.txt", p["sentences"], p["stride"], p["max_prompts"])) + "\n")
+    labels = out / "labels.jsonl"
+    if not labels.is_file():
+        stage("pseudo-labels", dict(settings["pseudo-labels"], teacher=str(teacher), prompts=str(prompts), out=str(labels)),
+              out, False, timings)
+    previous = None
+    for name in ("distill50", "distill25"):
+        model = out / name / "model"
+        if not (model / "config.json").is_file():
+            cfg = dict(settings[name], teacher=str(teacher), data=str(labels), out=str(out / name),
+                       hybrid={"d_state": head_dim}, init=previous)
+            stage(name, cfg, out, args.resume, timings)
+        previous = str(model)
+    report_file = out / "perplexity.json"
+    stage("perplexity", dict(settings["perplexity"], models=[str(teacher), str(out / "distill50" / "model"),
+                                                           str(out / "distill25" / "model")],
+                             text=[str(args.corpus / "heldout.txt")], out=str(report_file)), out, False, timings)
+    report = {
+        "teacher": str(args.teacher),
+        "corpus": str(args.corpus),
+        "prompts": len(prompts.read_text().splitlines()),
+        "perplexity": json.loads(report_file.read_text()),
+        "seconds": dict(timings, total=round(time.time() - began, 1)),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
