@@ -1,0 +1,87 @@
+"""Draft-model speculation: a small model (Llama or hybrid) drafts K tokens, the target checks them.
+
+The draft keeps its own cache across steps and across chat turns. After a step it must forget the
+drafts the target rejected: a KV cache is trimmed; a recurrent state cannot be, so the draft
+returns to the snapshot taken before the step and re-reads the accepted tokens in the next step's
+first forward pass, together with the new token (the hybrid-draft scheme of "The Mamba in the
+Llama", section 5.5).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generate import SamplingParams, prefill
+from mlx_hybrid.speculative.accept import Candidates, target_logprobs
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    if len(a) <= len(b) and b[: len(a)] == a:
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class DraftProposer:
+    name = "draft"
+
+    def __init__(self, draft: nn.Module, target: nn.Module, k: int = 4):
+        if k < 1:
+            raise HybridError(f"the draft must propose k >= 1 tokens per step, got {k}")
+        if draft.args.vocab_size < target.args.vocab_size:
+            raise HybridError(
+                f"the draft model's vocabulary ({draft.args.vocab_size}) is smaller than the target's ({target.args.vocab_size})"
+            )
+        self.draft, self.k = draft, k
+        self.vocab = target.args.vocab_size
+        self.depth = k
+        self.cache = draft.make_cache()
+        self.fed: list[int] = []  # exactly the tokens the draft cache holds
+        self._snap = None  # (len(fed), per-layer snapshot) before the last step's first forward
+
+    def _rewind(self, keep: int):
+        """Make the cache hold fed[:keep]."""
+        n = len(self.fed) - keep
+        if n == 0:
+            return
+        if min(c.trimmable() for c in self.cache) >= n:
+            for c in self.cache:
+                c.trim(n)
+        elif self._snap is not None and self._snap[0] <= keep:
+            for c, s in zip(self.cache, self._snap[1]):
+                c.restore(s) if hasattr(c, "restore") else c.trim(c.offset - s)
+            keep = self._snap[0]
+        else:
+            self.cache, keep = self.draft.make_cache(), 0
+        self.fed = self.fed[:keep]
+
+    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
+        self._rewind(_common_prefix(self.fed, history[:-1]))
+        pending = history[len(self.fed) :]
+        if len(pending) > 32:  # a prompt: in chunks; a few re-read tokens go with the first draft step
+            prefill(self.draft, mx.array(pending[:-1]), self.cache)
+            self.fed, pending = self.fed + pending[:-1], pending[-1:]
+        self._snap = (len(self.fed), [c.snapshot() if hasattr(c, "snapshot") else c.offset for c in self.cache])
+        x = mx.array(pending)
+        tokens, logq = [], []
+        for _ in range(self.k):
+            logits = self.draft(x[None], self.cache)[0, -1, : self.vocab].astype(mx.float32)
+            if sampling.temp == 0:
+                x = mx.argmax(logits, axis=-1, keepdims=True)
+            else:
+                lq = target_logprobs(logits, sampling)
+                x = mx.random.categorical(lq, num_samples=1)
+                logq.append(lq)
+            tokens.append(x)
+        drafted = np.array(mx.concatenate(tokens)).tolist()
+        self.fed = self.fed + pending + drafted[:-1]
+        q = None
+        if logq:
+            q = np.exp(np.array(mx.stack(logq), np.float64))
+            q = np.concatenate([q, np.zeros((1, q.shape[1]))])  # the last draft has nothing below it
+        return Candidates(np.array([history[-1]] + drafted), list(range(-1, self.k)), q=q)

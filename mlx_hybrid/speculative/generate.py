@@ -1,0 +1,222 @@
+"""The speculative decoding loop and its streaming API.
+
+Each step a proposer (Medusa heads, a ReDrafter drafter or a draft model) turns the token the
+target produced last (the root) into a candidate tree; the target runs the whole tree in one
+forward pass, an acceptance rule (`accept`) picks the path it agrees with plus one token of its
+own, and the caches keep only that path. A step therefore yields between 1 and depth + 1 tokens
+for one target pass.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_hybrid.cache import accept_path
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generate import (
+    GenerationResponse,
+    SamplingParams,
+    _held_back,
+    context_limit,
+    generation_stream,
+    prefill,
+)
+from mlx_hybrid.models import llama
+from mlx_hybrid.speculative import accept
+from mlx_hybrid.speculative.tree import retrieve_indices
+
+METHODS = ("medusa", "redrafter", "draft")
+# Where each method's files are looked for inside the target model's directory (FORMAT.md).
+SUBDIRS = {"medusa": "medusa", "redrafter": "redrafter", "draft": "draft"}
+
+
+@dataclass
+class SpeculativeResponse(GenerationResponse):
+    steps: int = 0  # target forward passes since the prompt
+    tokens_per_step: float = 0.0  # tokens the target produced per pass (1 without speculation)
+    acceptance_rate: float = 0.0  # accepted draft tokens / (steps x draft depth)
+
+
+def load_proposer(
+    method: str,
+    target: nn.Module,
+    model_dir: str | Path | None = None,
+    path: str | Path | None = None,
+    num_draft: int = 4,
+    beam_width: int | None = None,
+    beam_length: int | None = None,
+):
+    """The proposer for method, its files at path or else in model_dir's subdirectory for it."""
+    if method not in METHODS:
+        raise HybridError(f"unknown speculative method '{method}' (choose from {', '.join(METHODS)})")
+    if path is None:
+        if model_dir is None:
+            raise HybridError(f"--speculative {method} needs the path of its {SUBDIRS[method]} directory")
+        path = Path(model_dir) / SUBDIRS[method]
+        if not path.is_dir():
+            raise HybridError(f"no {SUBDIRS[method]}/ directory in {model_dir}; give its path")
+    if method == "medusa":
+        from mlx_hybrid.speculative.medusa import MedusaProposer, load_medusa
+
+        return MedusaProposer(load_medusa(path, target))
+    if method == "redrafter":
+        from mlx_hybrid.speculative.redrafter import ReDrafterProposer, load_redrafter
+
+        return ReDrafterProposer(load_redrafter(path, target), target, beam_width, beam_length)
+    from mlx_hybrid.loader import load_model
+    from mlx_hybrid.speculative.draft import DraftProposer
+
+    return DraftProposer(load_model(path), target, num_draft)
+
+
+def check_target(model: nn.Module):
+    # Recurrent layers verify trees through `parents` (mlx_hybrid.models.hybrid); wiring hybrid
+    # targets into this loop is separate work.
+    if not all(isinstance(layer, llama.DecoderLayer) for layer in model.layers):
+        raise HybridError("speculative decoding supports Llama/Mistral targets only so far, not hybrid ones")
+
+
+def _first_token(logits: mx.array, sampling: SamplingParams, rng: np.random.Generator) -> int:
+    if sampling.temp == 0:
+        return int(mx.argmax(logits).item())
+    p = np.exp(np.array(accept.target_logprobs(logits, sampling), np.float64))
+    return accept._draw(p, rng)
+
+
+def speculative_steps(
+    model: nn.Module,
+    proposer,
+    prompt: list[int],
+    cache: list,
+    sampling: SamplingParams,
+    history: list[int] = (),
+    prefill_step_size: int = 512,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> Iterator[tuple[list[int], int]]:
+    """Yield (new tokens, accepted drafts) for each target pass; the first pass reads the prompt.
+
+    history: the tokens `cache` already holds (a chat's earlier turns), which the draft model
+    needs to see too. At temperature 0 the tokens are plain greedy decoding's; above it, draft-model
+    and ReDrafter tokens are distributed as sampling from the target, and Medusa uses typical
+    acceptance with epsilon, delta (its posterior threshold and alpha).
+    """
+    rng = np.random.default_rng(sampling.seed)
+    with mx.stream(generation_stream):
+        prefill(model, mx.array(prompt[:-1]), cache, prefill_step_size)
+        logits, hidden = model(mx.array(prompt[-1:])[None], cache, return_hidden=True)
+        root = _first_token(logits[0, -1].astype(mx.float32), sampling, rng)
+        hidden = hidden[0, -1]
+        tokens = list(history) + list(prompt) + [root]
+        yield [root], 0
+        while True:
+            cand = proposer.propose(tokens, hidden, sampling)
+            logits, hiddens = model(mx.array(cand.tokens)[None], cache, return_hidden=True, tree=cand.verification_tree())
+            logits = logits[0].astype(mx.float32)
+            if sampling.temp == 0:
+                path, nxt = accept.greedy(cand, logits)
+            elif cand.q is None:
+                logprobs = accept.target_logprobs(logits, sampling)
+                path, nxt = accept.typical(cand, retrieve_indices(cand.parents), logprobs, epsilon, delta, rng)
+            else:
+                p = np.exp(np.array(accept.target_logprobs(logits, sampling), np.float64))
+                path, nxt = accept.rejection(cand, p, rng)
+            accept_path(cache, path)
+            hidden = hiddens[0, path[-1]]
+            new = [int(cand.tokens[t]) for t in path[1:]] + [nxt]
+            tokens += new
+            yield new, len(path) - 1
+
+
+def speculative_generate(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    prompt: str | list[int],
+    proposer,
+    *,
+    max_tokens: int = 256,
+    sampling: SamplingParams | None = None,
+    stop: list[str] | tuple = (),
+    cache: list | None = None,
+    history: list[int] = (),
+    prefill_step_size: int = 512,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> Iterator[SpeculativeResponse]:
+    """`mlx_hybrid.stream_generate` with speculative decoding by proposer (`load_proposer`): the
+    same responses, one per token, plus speculation stats (steps, tokens per step, acceptance).
+
+    With a `cache` that already holds `history`, the prompt continues it (as a chat does)."""
+    check_target(model)
+    sampling = sampling or SamplingParams()
+    sampling.check()
+    if sampling.repetition_penalty is not None:
+        raise HybridError("speculative decoding does not support a repetition penalty")
+    if max_tokens < 1:
+        raise HybridError(f"max tokens must be >= 1, got {max_tokens}")
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not tokens:
+        raise HybridError("the prompt is empty")
+    cache = cache if cache is not None else model.make_cache()
+    used = cache[0].offset if cache else 0
+    limit = context_limit(model)
+    if limit is not None and used + len(tokens) >= limit:
+        raise HybridError(f"the prompt needs {used + len(tokens)} tokens of context but the model's limit is {limit}")
+    if limit is not None:
+        # A verification pass holds the whole candidate tree in the cache for a moment.
+        max_tokens = min(max_tokens, limit - used - len(tokens))
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = set(tokenizer.eos_token_ids)
+    stops = [s for s in stop if s]
+    text, emitted = "", 0
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prompt_tps, n, steps, accepted = 0.0, 0, 0, 0
+    depth = getattr(proposer, "depth", 1)
+    for new, acc in speculative_steps(
+        model, proposer, tokens, cache, sampling, history, prefill_step_size, epsilon, delta
+    ):
+        if n == 0:
+            prompt_tps = len(tokens) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        else:
+            steps, accepted = steps + 1, accepted + acc
+        for token in new:
+            n += 1
+            finish = "stop" if token in eos else ("length" if n == max_tokens else None)
+            if token not in eos:
+                detokenizer.add_token(token)
+            if finish:
+                detokenizer.finalize()
+            text += detokenizer.last_segment
+            hit = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
+            if hit >= 0:
+                text, finish = text[:hit], "stop"
+            end = len(text) if finish else len(text) - _held_back(text, stops)
+            piece, emitted = text[emitted:end], max(emitted, end)
+            elapsed = time.perf_counter() - tic
+            yield SpeculativeResponse(
+                text=piece,
+                token=token,
+                prompt_tokens=len(tokens),
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=n / elapsed if elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                steps=steps,
+                tokens_per_step=(n - 1) / steps if steps else 1.0,
+                acceptance_rate=accepted / (steps * depth) if steps else 0.0,
+            )
+            if finish:
+                return

@@ -1,0 +1,61 @@
+"""Reading Medusa heads and ReDrafter drafters from their directories (FORMAT.md).
+
+As for models (`mlx_hybrid/loader.py`), every way a directory can be wrong ends in a one-line
+`HybridError` naming the file or tensor at fault.
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.loader import DTYPES, compute_dtype, load_weights
+
+
+def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
+    """config.json of a heads directory, checked for its model_type and required fields."""
+    if not path.is_dir():
+        raise HybridError(f"directory not found: {path}")
+    file = path / "config.json"
+    if not file.is_file():
+        raise HybridError(f"no config.json in {path}")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HybridError(f"{file} is not valid JSON ({e})") from None
+    if config.get("model_type") != model_type:
+        raise HybridError(f"{file}: model_type is {config.get('model_type')!r}, expected {model_type!r}")
+    missing = [k for k in required if k not in config]
+    if missing:
+        raise HybridError(f"{file} lacks the field '{missing[0]}'")
+    return config
+
+
+def load_into(module: nn.Module, path: Path, config: dict, dtype: str | None = None) -> nn.Module:
+    """Load path's *.safetensors into module (quantized layers where the files hold scales)."""
+    weights = load_weights(path)
+    if config.get("quantization"):
+        q = config["quantization"]
+        nn.quantize(module, q["group_size"], q["bits"], class_predicate=lambda p, m: f"{p}.scales" in weights)
+    dtype = dtype or compute_dtype()
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    try:
+        module.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise HybridError(f"{path}: weights do not match config.json: {str(e).splitlines()[0]}") from None
+    mx.eval(module.parameters())
+    module.eval()
+    return module
+
+
+def check_target(path: Path, config: dict, target: nn.Module):
+    """The heads must read the target's hidden states and predict over its vocabulary."""
+    for key in ("hidden_size", "vocab_size"):
+        want = getattr(target.args, key)
+        if config[key] != want:
+            raise HybridError(f"{path}: {key} is {config[key]} but the target model's is {want}")

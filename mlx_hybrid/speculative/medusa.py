@@ -1,0 +1,151 @@
+"""Medusa heads (Cai et al.): K extra heads on the target's last hidden state, head k guessing the
+token k + 2 places ahead; their top-k guesses form a candidate tree verified in one pass.
+
+Layout and tensor names: FORMAT.md. The tree is the heads directory's `medusa_choices` (written
+by `calibrate`, the greedy construction of section 3.3.1 from head accuracies measured here) or
+else a small Cartesian tree.
+"""
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generate import SamplingParams, generate_step, prefill
+from mlx_hybrid.speculative.accept import Candidates
+from mlx_hybrid.speculative.load import check_target, load_into, read_config
+from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths, expected_length, greedy_paths
+
+# Default tree without calibration: top-3 of head 0, top-2 of heads 1-2, top-1 further out.
+DEFAULT_TOPK = (3, 2, 2)
+
+
+@dataclass
+class MedusaConfig:
+    medusa_num_heads: int
+    medusa_num_layers: int
+    hidden_size: int
+    vocab_size: int
+    medusa_choices: list | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "MedusaConfig":
+        return cls(**{k: config.get(k) for k in cls.__dataclass_fields__})
+
+
+class ResBlock(nn.Module):
+    def __init__(self, dims: int):
+        super().__init__()
+        self.linear = nn.Linear(dims, dims)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x + nn.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaConfig):
+        super().__init__()
+        self.config = config
+        H, V, L = config.hidden_size, config.vocab_size, config.medusa_num_layers
+        self.medusa_head = [
+            [ResBlock(H) for _ in range(L)] + [nn.Linear(H, V, bias=False)] for _ in range(config.medusa_num_heads)
+        ]
+
+    def __call__(self, h: mx.array) -> mx.array:
+        """Logits (heads, ..., vocab) for hidden states h (..., hidden)."""
+        out = []
+        for head in self.medusa_head:
+            x = h
+            for layer in head:
+                x = layer(x)
+            out.append(x)
+        return mx.stack(out)
+
+    def default_tree(self) -> MedusaTree:
+        if self.config.medusa_choices:
+            return MedusaTree(self.config.medusa_choices)
+        k = self.config.medusa_num_heads
+        return MedusaTree(cartesian_paths(list(DEFAULT_TOPK[:k]) + [1] * max(0, k - len(DEFAULT_TOPK))))
+
+
+def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -> MedusaHeads:
+    path = Path(path)
+    config = read_config(path, "medusa", ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"))
+    check_target(path, config, target)
+    heads = MedusaHeads(MedusaConfig.from_dict(config))
+    if heads.config.medusa_choices:
+        try:
+            tree = MedusaTree(heads.config.medusa_choices)
+        except (ValueError, TypeError) as e:
+            raise HybridError(f"{path / 'config.json'}: bad medusa_choices ({e})") from None
+        if tree.num_heads > heads.config.medusa_num_heads:
+            raise HybridError(f"{path / 'config.json'}: medusa_choices go {tree.num_heads} heads deep, there are fewer")
+    return load_into(heads, path, config, dtype)
+
+
+class MedusaProposer:
+    """Candidates from the heads' top-k tokens at the hidden state that produced the root."""
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, tree: MedusaTree | None = None):
+        self.heads = heads
+        self.tree = tree or heads.default_tree()
+        self.depth = self.tree.num_heads
+        self._top = max(self.tree.topk)
+
+    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
+        logits = self.heads(hidden)[: self.depth]  # (depth, V)
+        top = mx.argpartition(-logits, self._top - 1, axis=-1)[:, : self._top]
+        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
+        top = np.array(mx.take_along_axis(top, order, axis=-1))
+        flat = np.concatenate([[history[-1]]] + [top[d, :k] for d, k in enumerate(self.tree.topk)])
+        return Candidates(flat[self.tree.token_index], self.tree.parents, tree=self.tree.tree)
+
+
+def head_accuracies(model: nn.Module, heads: MedusaHeads, prompts: list[list[int]], new_tokens: int = 64, topk: int = 10):
+    """accuracies[h][k]: how often head h's rank-k token is the target's own greedy continuation,
+    over the target's greedy continuations of prompts (Medusa section 3.3.1)."""
+    K = heads.config.medusa_num_heads
+    hits, counts = np.zeros((K, topk)), np.zeros(K)
+    for prompt in prompts:
+        cont = [t for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=new_tokens)]
+        seq = prompt + cont
+        cache = model.make_cache()
+        prefill(model, mx.array(seq[: len(prompt) - 1]), cache)
+        _, hidden = model(mx.array(seq[len(prompt) - 1 :])[None], cache, return_hidden=True)
+        logits = heads(hidden[0])  # (K, n, V): position t of seq[len(prompt)-1+t:]
+        ranks = mx.argsort(-logits, axis=-1)[..., :topk]
+        ranks = np.array(ranks)
+        start = len(prompt) - 1
+        for h in range(K):
+            for t in range(ranks.shape[1]):
+                target = start + t + h + 2
+                if target < len(seq):
+                    counts[h] += 1
+                    hit = np.flatnonzero(ranks[h, t] == seq[target])
+                    if hit.size:
+                        hits[h, hit[0]] += 1
+    return hits / np.maximum(counts, 1)[:, None]
+
+
+def calibrate(model: nn.Module, heads_dir: str | Path, prompts: list[list[int]], num_nodes: int = 63, new_tokens: int = 64, topk: int = 10) -> dict:
+    """Measure head accuracies on prompts, build the greedy sparse tree of num_nodes candidates and
+    store it (with the accuracies) in the heads' config.json; returns what was written."""
+    heads_dir = Path(heads_dir)
+    heads = load_medusa(heads_dir, model)
+    acc = head_accuracies(model, heads, prompts, new_tokens, topk)
+    paths = greedy_paths(acc, num_nodes)
+    config = json.loads((heads_dir / "config.json").read_text())
+    config.update(medusa_choices=paths, head_accuracies=acc.round(6).tolist())
+    fd, tmp = tempfile.mkstemp(dir=heads_dir, suffix=".json.tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, heads_dir / "config.json")
+    return {"medusa_choices": paths, "head_accuracies": acc.tolist(), "expected_length": expected_length(paths, acc)}

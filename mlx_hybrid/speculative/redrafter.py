@@ -1,0 +1,143 @@
+"""ReDrafter (Cheng et al.): a recurrent drafter conditioned on the target's last hidden state.
+
+The drafter's state s runs over the draft tokens' embeddings (the target's embedding table), and
+each next-token distribution is an MLP of [h, s]. Beam search of width BW and length BL proposes
+BW sequences that all start with the target's token; shared prefixes are packed into one tree
+(`tree.pack_beams`) that the target verifies in one pass.
+
+At temperature > 0 the beams are instead BW independent samples from the drafter: beam search
+picks its candidates deterministically, so accepting them with probability p/q (as the reference
+code does) would not preserve the target's distribution, while independent draws verified by
+multi-draft rejection sampling (`accept.rejection`) do. Layout and tensor names: FORMAT.md. Beam
+scores use log-softmax over the whole vocabulary (the reference first keeps the top 50 logits).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generate import SamplingParams
+from mlx_hybrid.speculative.accept import Candidates, target_logprobs
+from mlx_hybrid.speculative.load import check_target, load_into, read_config
+from mlx_hybrid.speculative.medusa import ResBlock
+from mlx_hybrid.speculative.tree import pack_beams
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    vocab_size: int
+    exit_dim: int
+    num_draft_layers: int
+    rnn: bool
+    beam_width: int = 4
+    beam_length: int = 4
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "DrafterConfig":
+        return cls(**{k: config[k] for k in cls.__dataclass_fields__ if k in config})
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        H, E = config.hidden_size, config.exit_dim
+        if E != 2 * H:
+            self.input_proj = nn.Linear(2 * H, E)
+        self.lm_head = [ResBlock(E) for _ in range(config.num_draft_layers)] + [
+            nn.Linear(E, config.vocab_size, bias=False)
+        ]
+        if config.rnn:
+            self.rnn_u = nn.Linear(H, H, bias=True)
+            self.rnn_w = nn.Linear(H, H, bias=False)
+
+    def step(self, state: mx.array, embedding: mx.array) -> mx.array:
+        """The RNN state after one more draft token."""
+        if self.config.rnn:
+            return nn.silu(self.rnn_w(embedding) + self.rnn_u(state))
+        return state + embedding
+
+    def logits(self, h: mx.array, state: mx.array) -> mx.array:
+        x = mx.concatenate([mx.broadcast_to(h, state.shape), state], axis=-1)
+        if "input_proj" in self:
+            x = self.input_proj(x)
+        for layer in self.lm_head:
+            x = layer(x)
+        return x
+
+    def beam_search(self, h: mx.array, root: int, embed: nn.Embedding, width: int, length: int) -> mx.array:
+        """The `width` most likely continuations of root, each `length` tokens with root first."""
+        V = self.config.vocab_size
+        beams = mx.array([[root]])
+        state = mx.zeros((1, self.config.hidden_size), h.dtype)
+        scores = mx.zeros((1,))
+        for _ in range(length - 1):
+            state = self.step(state, embed(beams[:, -1]))
+            logp = nn.log_softmax(self.logits(h, state).astype(mx.float32), axis=-1)
+            total = (scores[:, None] + logp).reshape(-1)
+            k = min(width, total.size)
+            best = mx.argpartition(-total, k - 1)[:k]
+            best = best[mx.argsort(-total[best])]
+            origin, token = best // V, best % V
+            beams = mx.concatenate([beams[origin], token[:, None]], axis=1)
+            state, scores = state[origin], total[best]
+        if beams.shape[0] < width:  # a vocabulary smaller than the width: repeat the best beam
+            beams = mx.concatenate([beams, mx.repeat(beams[:1], width - beams.shape[0], axis=0)])
+        return beams
+
+    def sample(self, h: mx.array, root: int, embed: nn.Embedding, width: int, length: int, sampling: SamplingParams):
+        """`width` independent draws of length-1 tokens after root, and the distributions they
+        were drawn from: (width, length) tokens, (width, length - 1, vocab) log-probabilities."""
+        tokens = mx.full((width,), root)
+        state = mx.zeros((width, self.config.hidden_size), h.dtype)
+        beams, logq = [tokens], []
+        for _ in range(length - 1):
+            state = self.step(state, embed(tokens))
+            lq = target_logprobs(self.logits(h, state).astype(mx.float32), sampling)
+            tokens = mx.random.categorical(lq)
+            beams.append(tokens)
+            logq.append(lq)
+        return mx.stack(beams, axis=1), mx.stack(logq, axis=1)
+
+
+def load_redrafter(path: str | Path, target: nn.Module, dtype: str | None = None) -> Drafter:
+    path = Path(path)
+    config = read_config(path, "recurrent_drafting_drafter", ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn"))
+    check_target(path, config, target)
+    drafter = Drafter(DrafterConfig.from_dict(config))
+    return load_into(drafter, path, config, dtype)
+
+
+class ReDrafterProposer:
+    name = "redrafter"
+
+    def __init__(self, drafter: Drafter, target: nn.Module, beam_width: int | None = None, beam_length: int | None = None):
+        self.drafter = drafter
+        self.embed = target.model.embed_tokens
+        self.width = beam_width or drafter.config.beam_width
+        self.length = beam_length or drafter.config.beam_length
+        if self.width < 1 or self.length < 2:
+            raise HybridError(f"beam width must be >= 1 and length >= 2, got {self.width} x {self.length}")
+        self.depth = self.length - 1
+
+    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
+        root = history[-1]
+        if sampling.temp == 0:
+            beams = np.array(self.drafter.beam_search(hidden, root, self.embed, self.width, self.length))
+            packed = pack_beams(beams)
+            return Candidates(packed.tokens, packed.parents)
+        beams, logq = self.drafter.sample(hidden, root, self.embed, self.width, self.length, sampling)
+        beams, q = np.array(beams), np.exp(np.array(logq, np.float64))
+        packed = pack_beams(beams)
+        nodes = np.zeros((len(packed.tokens), q.shape[-1]))
+        nodes[packed.node_of[:, :-1]] = q  # one prefix, one drafter distribution
+        drafts: dict[int, list[int]] = {}
+        for b in range(self.width):  # the draws below each node, in the order they were drawn
+            for l in range(self.length - 1):
+                drafts.setdefault(int(packed.node_of[b, l]), []).append(int(packed.node_of[b, l + 1]))
+        return Candidates(packed.tokens, packed.parents, drafts=drafts, q=nodes)
