@@ -16,12 +16,19 @@ from hybrid_train.errors import TrainError
 from hybrid_train.losses import IGNORE
 
 
-def read_jsonl(path: str | Path, keys: tuple[str, ...]) -> list[dict]:
+def read_text(path: str | Path, what: str = "data file") -> str:
     path = Path(path)
     if not path.is_file():
-        raise TrainError(f"data file not found: {path}")
+        raise TrainError(f"{what} not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TrainError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def read_jsonl(path: str | Path, keys: tuple[str, ...]) -> list[dict]:
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -38,12 +45,9 @@ def read_jsonl(path: str | Path, keys: tuple[str, ...]) -> list[dict]:
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    path = Path(path)
-    if path.suffix == ".jsonl":
+    if Path(path).suffix == ".jsonl":
         return [row["prompt"] for row in read_jsonl(path, ("prompt",))]
-    if not path.is_file():
-        raise TrainError(f"prompt file not found: {path}")
-    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    prompts = [line.strip() for line in read_text(path, "prompt file").splitlines() if line.strip()]
     if not prompts:
         raise TrainError(f"{path} holds no prompts")
     return prompts
@@ -70,9 +74,7 @@ def text_blocks(tokenizer, paths: list[str], seq_len: int) -> list[tuple[list[in
     """Plain text cut into blocks of seq_len tokens (documents = non-empty lines), loss on every token."""
     ids = []
     for path in paths:
-        if not Path(path).is_file():
-            raise TrainError(f"text file not found: {path}")
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
+        for line in read_text(path, "text file").splitlines():
             if line.strip():
                 ids += tokenizer(line.strip(), add_special_tokens=False).input_ids
                 if tokenizer.eos_token_id is not None:

@@ -27,10 +27,11 @@ def main(out: str) -> int:
         wheel = next(Path(tmp).glob("gensim-*.whl"))
         with zipfile.ZipFile(wheel) as z:
             for member, name in FILES.items():
-                (out / name).write_bytes(z.read(member))
+                # The files are Latin-1 (one pound sign in lee.cor); we store UTF-8.
+                (out / name).write_text(z.read(member).decode("latin-1"), encoding="utf-8")
     (out / "SOURCE.md").write_text(
         f"From the PyPI wheel {wheel.name} (gensim, LGPL-2.1): {', '.join(f'{m} -> {n}' for m, n in FILES.items())}.\n"
-        "The Lee corpus: ABC news articles, one per line (Lee, Pincombe & Welsh 2005).\n"
+        "The Lee corpus: ABC news articles, one per line (Lee, Pincombe & Welsh 2005), recoded from Latin-1 to UTF-8.\n"
     )
     print(out)
     return 0

@@ -1,7 +1,7 @@
 """Students exported by `save_hybrid` load in the MLX runtime (`mlx_hybrid.load`) and give the same logits.
 
 Tolerance: logits ~3 in magnitude; torch float32 vs MLX float32, different summation orders and
-scan algorithms (chunked here, token by token there): measured max |diff| <= 4e-6; ATOL 1e-4.
+scan algorithms (chunked here, token by token there): measured max |diff| <= 7e-6; ATOL 1e-4.
 """
 
 import json
