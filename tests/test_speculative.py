@@ -1,0 +1,440 @@
+"""Speculative decoding on tiny random Llama targets (CPU, float32).
+
+Exactness: at temperature 0 every method must give exactly the tokens of plain greedy decoding
+(`mlx_hybrid.generate.generate_step`). Equality is only meaningful if no step is a near-tie, so
+the reference's gap between its two best log-probabilities is checked to exceed 1e-3, two orders
+above the 1e-5 by which a verification pass's logits differ from plain decoding's
+(tests/test_speculative_tree.py checks those to 1e-4).
+
+Distribution: at temperature > 0, draft-model and ReDrafter outputs must be distributed as
+sampling from the target. Chi-square goodness-of-fit tests against the exact target
+probabilities, at significance level 0.001, with fixed seeds (so each test is deterministic).
+"""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from factories import make_hf_model_dir, make_hybrid_dir
+from mlx.utils import tree_flatten, tree_map
+
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generate import SamplingParams, generate_step, stream_generate
+from mlx_hybrid.loader import load, load_model
+from mlx_hybrid.speculative import accept
+from mlx_hybrid.speculative.accept import Candidates
+from mlx_hybrid.speculative.draft import DraftProposer
+from mlx_hybrid.speculative.generate import load_proposer, speculative_generate, speculative_steps
+from mlx_hybrid.speculative.medusa import MedusaConfig, MedusaHeads, MedusaProposer, calibrate, load_medusa
+from mlx_hybrid.speculative.redrafter import Drafter, DrafterConfig, ReDrafterProposer, load_redrafter
+from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths
+
+ALPHA = 1e-3
+GREEDY = SamplingParams()
+
+
+def chi_square_pvalue(observed, expected) -> float:
+    """P(chi2 >= statistic) with len - 1 degrees of freedom: the regularized upper incomplete
+    gamma Q(df / 2, statistic / 2) (torch.special, as scipy is not a dependency)."""
+    import torch
+
+    observed, expected = np.asarray(observed, np.float64), np.asarray(expected, np.float64)
+    stat = ((observed - expected) ** 2 / expected).sum()
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = make_hf_model_dir(tmp_path_factory.mktemp("target") / "m", seed=0)
+    model, tokenizer = load(path, "float32")
+    return path, model, tokenizer
+
+
+def noisy_copy(model: nn.Module, path, scale: float, seed: int) -> nn.Module:
+    """The target with every weight perturbed: a draft that agrees with it often, not always."""
+    draft = load_model(path, "float32")
+    mx.random.seed(seed)
+    draft.update(tree_map(lambda p: p + scale * mx.random.normal(p.shape), draft.parameters()))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def lm_head_weight(model) -> mx.array:
+    return model.lm_head.weight
+
+
+def medusa_like_target(model, heads: int = 4, seed: int = 0) -> MedusaHeads:
+    """Heads initialized as Medusa does (ResBlocks near zero, LM head = the target's), plus noise:
+    each guesses the target's next token, which is right whenever the text repeats itself."""
+    H, V = model.args.hidden_size, model.args.vocab_size
+    m = MedusaHeads(MedusaConfig(heads, 1, H, V))
+    mx.random.seed(seed)
+    for head in m.medusa_head:
+        head[0].linear.weight = 0.01 * mx.random.normal((H, H))
+        head[-1].weight = lm_head_weight(model) + 0.02 * mx.random.normal((V, H))
+    mx.eval(m.parameters())
+    return m
+
+
+def drafter_like_target(model, seed: int = 0) -> Drafter:
+    """A drafter whose LM head reads the target's LM head off h (plus noise and a little of s)."""
+    H, V = model.args.hidden_size, model.args.vocab_size
+    d = Drafter(DrafterConfig(H, V, 2 * H, 1, True))
+    mx.random.seed(seed)
+    d.lm_head[0].linear.weight = 0.01 * mx.random.normal((2 * H, 2 * H))
+    d.lm_head[-1].weight = mx.concatenate(
+        [lm_head_weight(model) + 0.02 * mx.random.normal((V, H)), 0.05 * mx.random.normal((V, H))], axis=1
+    )
+    mx.eval(d.parameters())
+    return d
+
+
+def greedy_reference(model, prompt, n):
+    tokens, gaps = [], []
+    for t, logprobs in generate_step(mx.array(prompt), model, model.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=n):
+        top2 = mx.topk(logprobs[0], 2)
+        gaps.append(abs(float(top2[0] - top2[1])))
+        tokens.append(t)
+    return tokens, min(gaps)
+
+
+def run_steps(model, proposer, prompt, n, sampling=GREEDY):
+    tokens, steps, accepted = [], 0, 0
+    for new, acc in speculative_steps(model, proposer, prompt, model.make_cache(), sampling):
+        tokens += new
+        steps, accepted = steps + 1, accepted + acc
+        if len(tokens) >= n:
+            return tokens[:n], steps, accepted
+
+
+class OracleProposer:
+    """Knows the reference continuation and hides it in a Cartesian Medusa tree: the true tokens
+    fill a random path down to a random depth, random tokens the rest. Accepted paths then vary in
+    length and sit anywhere in the tree, so cache compaction really moves rows."""
+
+    def __init__(self, reference: list[int], vocab: int, seed: int):
+        self.ref, self.vocab = reference, vocab
+        self.rng = np.random.default_rng(seed)
+        self.tree = MedusaTree(cartesian_paths([3, 2, 2]))
+        self.depth = 3
+
+    def propose(self, history, hidden, sampling):
+        done = len(history) - self.prompt_len  # tokens of the reference emitted so far
+        tokens = self.rng.integers(0, self.vocab, len(self.tree))
+        tokens[0] = history[-1]
+        true_depth = self.rng.integers(0, 4)
+        ranks = [self.rng.integers(0, k) for k in self.tree.topk]
+        for node, path in enumerate(self.tree.paths, start=1):
+            if len(path) <= true_depth and path == ranks[: len(path)] and done + len(path) - 1 < len(self.ref):
+                tokens[node] = self.ref[done + len(path) - 1]
+        return Candidates(tokens, self.tree.parents, tree=self.tree.tree)
+
+
+N_TOKENS = 36
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    """Eight prompts of a seeded random pool whose greedy continuation has no near-tie, with it."""
+    _, model, _ = target
+    rng = np.random.default_rng(0)
+    out = []
+    while len(out) < 8:
+        prompt = rng.integers(0, model.args.vocab_size, rng.integers(1, 7)).tolist()
+        ref, gap = greedy_reference(model, prompt, N_TOKENS)
+        if gap > 1e-3:
+            out.append((prompt, ref))
+    return out
+
+
+def test_greedy_oracle_tree_equals_plain_greedy(target, references):
+    _, model, _ = target
+    for i, (prompt, ref) in enumerate(references):
+        oracle = OracleProposer(ref[1:], model.args.vocab_size, seed=i)
+        oracle.prompt_len = len(prompt) + 1
+        got, steps, accepted = run_steps(model, oracle, prompt, N_TOKENS)
+        assert got == ref, f"prompt {prompt}"
+        assert accepted > 10  # deep paths were accepted, not just the root
+
+
+@pytest.mark.parametrize("method", ["medusa", "redrafter", "draft", "hybrid_draft"])
+def test_greedy_equals_plain_greedy(target, references, tmp_path_factory, method):
+    path, model, _ = target
+    if method == "medusa":
+        proposer = MedusaProposer(medusa_like_target(model))
+    elif method == "redrafter":
+        proposer = ReDrafterProposer(drafter_like_target(model), model, beam_width=3, beam_length=4)
+    elif method == "draft":
+        proposer = DraftProposer(noisy_copy(model, path, 0.01, seed=1), model, k=4)
+    else:  # recurrent layers cannot be trimmed: restored from a snapshot, accepted tokens re-read
+        draft_dir, _ = make_hybrid_dir(tmp_path_factory.mktemp("hd") / "d", ["attention", "mamba"], seed=5)
+        proposer = DraftProposer(load_model(draft_dir, "float32"), model, k=3)
+    total_steps = total_tokens = total_accepted = 0
+    for prompt, ref in references:
+        got, steps, accepted = run_steps(model, proposer, prompt, N_TOKENS)
+        assert got == ref, f"{method}, prompt {prompt}"
+        total_steps, total_tokens, total_accepted = total_steps + steps, total_tokens + len(got), total_accepted + accepted
+    if method != "hybrid_draft":  # random hybrid drafts agree with nothing; the others must
+        assert total_accepted > 0.1 * total_steps, f"{method}: too few accepted drafts to test anything"
+
+
+def test_rejection_sampling_matches_target_synthetic():
+    """Multi-draft rejection on two levels with made-up p and q (vocabulary 5, 3 drafts per
+    level): the first token must follow p1, and the second, after an accepted first, p2."""
+    rng = np.random.default_rng(0)
+    V, width, n = 5, 3, 30000
+    p1, q1 = rng.dirichlet(np.ones(V)), rng.dirichlet(np.ones(V))
+    p2, q2 = rng.dirichlet(np.ones(V), V), rng.dirichlet(np.ones(V), V)
+    firsts, seconds = np.zeros(V), np.zeros((V, V))
+    from mlx_hybrid.speculative.tree import pack_beams
+
+    for _ in range(n):
+        x = rng.choice(V, width, p=q1)
+        y = np.array([rng.choice(V, p=q2[a]) for a in x])
+        packed = pack_beams(np.stack([np.full(width, 9), x, y], axis=1))
+        T = len(packed.tokens)
+        q, p = np.zeros((T, V + 10)), np.zeros((T, V + 10))
+        drafts = {}
+        for b in range(width):
+            for l in range(2):
+                drafts.setdefault(int(packed.node_of[b, l]), []).append(int(packed.node_of[b, l + 1]))
+        for t in range(T):
+            depth = 0 if t == 0 else (1 if packed.parents[t] == 0 else 2)
+            tok = packed.tokens[t]
+            if depth == 0:
+                p[t, :V], q[t, :V] = p1, q1
+            elif depth == 1:
+                p[t, :V], q[t, :V] = p2[tok], q2[tok]
+            else:
+                p[t, :V] = 1.0 / V
+        path, nxt = accept.rejection(Candidates(packed.tokens, packed.parents, drafts=drafts, q=q), p, rng)
+        emitted = [int(packed.tokens[t]) for t in path[1:]] + [nxt]
+        firsts[emitted[0]] += 1
+        if len(emitted) >= 2:
+            seconds[emitted[0], emitted[1]] += 1
+    assert chi_square_pvalue(firsts, p1 * n) > ALPHA
+    for a in range(V):
+        m = seconds[a].sum()
+        if m > 500:
+            assert chi_square_pvalue(seconds[a], p2[a] * m) > ALPHA, f"second token after {a}"
+
+
+def exact_joint(model, prompt, sampling):
+    """P(first token, second token) under the target's sampling distribution."""
+    logits = model(mx.array([prompt]))[0, -1]
+    p1 = np.exp(np.array(accept.target_logprobs(logits, sampling), np.float64))
+    joint = np.zeros((len(p1), len(p1)))
+    for a in np.flatnonzero(p1 > 0):
+        logits2 = model(mx.array([prompt + [int(a)]]))[0, -1]
+        joint[a] = p1[a] * np.exp(np.array(accept.target_logprobs(logits2, sampling), np.float64))
+    return joint
+
+
+@pytest.mark.parametrize("method", ["draft", "redrafter"])
+def test_rejection_sampling_preserves_target_distribution(target, method):
+    """The first two tokens of sampled speculative decoding against the target's exact joint
+    distribution (top-k 3 keeps it at 9 cells)."""
+    path, model, _ = target
+    prompt = [5, 17, 60]
+    sampling = SamplingParams(temp=1.5, top_k=3)
+    joint = exact_joint(model, prompt, sampling)
+    if method == "draft":
+        proposer = DraftProposer(noisy_copy(model, path, 0.02, seed=2), model, k=2)
+    else:
+        proposer = ReDrafterProposer(drafter_like_target(model), model, beam_width=3, beam_length=3)
+    counts, n, accepted = np.zeros_like(joint), 1500, 0
+    for i in range(n):
+        mx.random.seed(i)
+        s = SamplingParams(temp=1.5, top_k=3, seed=i)
+        steps = speculative_steps(model, proposer, prompt, model.make_cache(), s)
+        first, _ = next(steps)
+        second, acc = next(steps)
+        counts[first[0], second[0]] += 1
+        accepted += acc > 0
+    cells = joint > 0
+    assert counts[~cells].sum() == 0
+    assert 0.1 * n < accepted < 0.95 * n, f"{accepted} of {n} steps accepted a draft: both branches must be tested"
+    assert chi_square_pvalue(counts[cells], joint[cells] * n) > ALPHA
+
+
+def test_typical_acceptance_rule():
+    """Medusa's rule on a hand-made chain: accept while p(candidate) > min(eps, delta exp(-H))."""
+    V = 4
+    # Node 0's distribution is confident (low entropy), node 1's is flat.
+    probs = np.array([[0.85, 0.05, 0.05, 0.05], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    logprobs = mx.array(np.log(probs), mx.float32)
+    parents = [-1, 0, 1]
+    retrieve = np.array([[0, 1, 2]])
+    rng = np.random.default_rng(0)
+    # Candidate 1 (token 0, p .85) passes; candidate 2 (p .25 < eps = .3 ... vs delta * exp(-H)):
+    # H(flat) = ln 4, delta exp(-H) = 0.5 / 4 = .125 < .25 -> passes with eps .3.
+    path, _ = accept.typical(Candidates(np.array([1, 0, 3]), parents), retrieve, logprobs, 0.3, 0.5, rng)
+    assert path == [0, 1, 2]
+    # With delta 1.2 the threshold at node 1 is min(.3, .3) = .3 > .25: candidate 2 is rejected.
+    path, _ = accept.typical(Candidates(np.array([1, 0, 3]), parents), retrieve, logprobs, 0.3, 1.2, rng)
+    assert path == [0, 1]
+    # A low-probability first candidate stops everything.
+    path, _ = accept.typical(Candidates(np.array([1, 2, 3]), parents), retrieve, logprobs, 0.3, 0.5, rng)
+    assert path == [0]
+
+
+def test_medusa_sampling_runs_and_respects_support(target):
+    _, model, _ = target
+    proposer = MedusaProposer(medusa_like_target(model))
+    sampling = SamplingParams(temp=0.7, top_k=5, seed=0)
+    tokens, steps, _ = run_steps(model, proposer, [5, 17, 60], 30, sampling)
+    assert len(tokens) == 30 and steps <= 30
+
+
+# ---- the on-disk layout (FORMAT.md) against PyTorch modules written like the reference code ----
+
+
+def _torch_medusa(H, V, K, L):
+    import torch
+
+    class ResBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(H, H)
+
+        def forward(self, x):
+            return x + torch.nn.functional.silu(self.linear(x))
+
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.medusa_head = torch.nn.ModuleList(
+                [torch.nn.Sequential(*[ResBlock() for _ in range(L)], torch.nn.Linear(H, V, bias=False)) for _ in range(K)]
+            )
+
+    return Heads()
+
+
+def _torch_drafter(H, V, E, n):
+    import torch
+
+    class ResBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(E, E)
+
+        def forward(self, x):
+            return x + torch.nn.functional.silu(self.linear(x))
+
+    class Drafter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if E != 2 * H:
+                self.input_proj = torch.nn.Linear(2 * H, E)
+            self.lm_head = torch.nn.Sequential(*[ResBlock() for _ in range(n)], torch.nn.Linear(E, V, bias=False))
+            self.rnn_u = torch.nn.Linear(H, H, bias=True)
+            self.rnn_w = torch.nn.Linear(H, H, bias=False)
+
+        def forward(self, h, state, emb):
+            state = torch.nn.functional.silu(self.rnn_w(emb) + self.rnn_u(state))
+            x = torch.cat([h, state], dim=-1)
+            if hasattr(self, "input_proj"):
+                x = self.input_proj(x)
+            return self.lm_head(x), state
+
+    return Drafter()
+
+
+def _save(module, path, config):
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.1)
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_medusa_layout_matches_pytorch_reference(target, tmp_path):
+    import torch
+
+    _, model, _ = target
+    H, V = model.args.hidden_size, model.args.vocab_size
+    ref = _torch_medusa(H, V, 3, 2)
+    config = dict(model_type="medusa", medusa_num_heads=3, medusa_num_layers=2, hidden_size=H, vocab_size=V)
+    _save(ref, tmp_path / "medusa", config)
+    heads = load_medusa(tmp_path / "medusa", model, "float32")
+    h = np.random.default_rng(0).standard_normal((5, H)).astype(np.float32)
+    with torch.no_grad():
+        want = np.stack([head(torch.from_numpy(h)).numpy() for head in ref.medusa_head])
+    np.testing.assert_allclose(np.array(heads(mx.array(h))), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("exit_dim", [None, 48])
+def test_redrafter_layout_matches_pytorch_reference(target, tmp_path, exit_dim):
+    import torch
+
+    _, model, _ = target
+    H, V = model.args.hidden_size, model.args.vocab_size
+    E = exit_dim or 2 * H
+    ref = _torch_drafter(H, V, E, 2)
+    config = dict(model_type="recurrent_drafting_drafter", hidden_size=H, vocab_size=V, exit_dim=E, num_draft_layers=2, rnn=True)
+    _save(ref, tmp_path / "redrafter", config)
+    drafter = load_redrafter(tmp_path / "redrafter", model, "float32")
+    rng = np.random.default_rng(1)
+    h, s, e = (rng.standard_normal((3, H)).astype(np.float32) for _ in range(3))
+    with torch.no_grad():
+        want_logits, want_state = ref(torch.from_numpy(h), torch.from_numpy(s), torch.from_numpy(e))
+    state = drafter.step(mx.array(s), mx.array(e))
+    np.testing.assert_allclose(np.array(state), want_state.numpy(), atol=1e-5)
+    np.testing.assert_allclose(np.array(drafter.logits(mx.array(h), state)), want_logits.numpy(), atol=1e-5)
+
+
+def test_bad_heads_directories(target, tmp_path):
+    path, model, _ = target
+    with pytest.raises(HybridError, match="directory not found"):
+        load_medusa(tmp_path / "nope", model)
+    bad = tmp_path / "medusa"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(dict(model_type="medusa", medusa_num_heads=2, medusa_num_layers=1, hidden_size=7, vocab_size=model.args.vocab_size)))
+    with pytest.raises(HybridError, match="hidden_size is 7"):
+        load_medusa(bad, model)
+    (bad / "config.json").write_text(json.dumps(dict(model_type="medusa", medusa_num_heads=2)))
+    with pytest.raises(HybridError, match="lacks the field"):
+        load_medusa(bad, model)
+    with pytest.raises(HybridError, match="no medusa/ directory"):
+        load_proposer("medusa", model, model_dir=path)
+    with pytest.raises(HybridError, match="unknown speculative method"):
+        load_proposer("eagle", model, model_dir=path)
+
+
+def test_calibrate_writes_greedy_tree(target, references, tmp_path):
+    _, model, _ = target
+    heads = medusa_like_target(model, heads=3)
+    d = tmp_path / "medusa"
+    d.mkdir()
+    mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(heads.parameters())))
+    H, V = model.args.hidden_size, model.args.vocab_size
+    (d / "config.json").write_text(json.dumps(dict(model_type="medusa", medusa_num_heads=3, medusa_num_layers=1, hidden_size=H, vocab_size=V)))
+    result = calibrate(model, d, [p for p, _ in references[:3]], num_nodes=12, new_tokens=24, topk=4)
+    acc = np.array(result["head_accuracies"])
+    assert acc.shape == (3, 4) and (acc >= 0).all() and (acc.sum(axis=1) <= 1 + 1e-9).all()
+    loaded = load_medusa(d, model)
+    tree = loaded.default_tree()
+    assert len(tree) == 13 and tree.paths == sorted(result["medusa_choices"], key=lambda p: (len(p), p))
+
+
+def test_speculative_generate_matches_stream_generate(target):
+    """Same text, tokens and finish reasons as the plain API, stop strings and max tokens included."""
+    path, model, tokenizer = target
+    proposer = DraftProposer(noisy_copy(model, path, 0.01, seed=3), model, k=3)
+    for prompt, kw in [("The quick brown", dict(max_tokens=25)), ("Once upon", dict(max_tokens=40, stop=["o"]))]:
+        want = list(stream_generate(model, tokenizer, prompt, **kw))
+        got = list(speculative_generate(model, tokenizer, prompt, proposer, **kw))
+        assert [r.token for r in got] == [r.token for r in want]
+        assert "".join(r.text for r in got) == "".join(r.text for r in want)
+        assert got[-1].finish_reason == want[-1].finish_reason
+        assert got[-1].steps >= 1 and got[-1].tokens_per_step >= 1
+    with pytest.raises(HybridError, match="repetition penalty"):
+        list(speculative_generate(model, tokenizer, "hi", proposer, sampling=SamplingParams(repetition_penalty=1.1)))
