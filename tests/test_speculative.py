@@ -438,3 +438,30 @@ def test_speculative_generate_matches_stream_generate(target):
         assert got[-1].steps >= 1 and got[-1].tokens_per_step >= 1
     with pytest.raises(HybridError, match="repetition penalty"):
         list(speculative_generate(model, tokenizer, "hi", proposer, sampling=SamplingParams(repetition_penalty=1.1)))
+
+
+def test_hybrid_target_greedy_equals_plain_greedy(tmp_path):
+    """A hybrid target (attention, Mamba, Mamba2, DSLA layers) verifies through the same loop:
+    recurrent layers scan the tree from each node's parent and keep the accepted path's state."""
+    path, _ = make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2", "dsla"], seed=2)
+    model = load_model(path, "float32")
+    rng = np.random.default_rng(0)
+    references = []
+    while len(references) < 4:
+        prompt = rng.integers(0, model.args.vocab_size, rng.integers(1, 7)).tolist()
+        ref, gap = greedy_reference(model, prompt, N_TOKENS)
+        if gap > 1e-3:
+            references.append((prompt, ref))
+    proposers = [
+        MedusaProposer(medusa_like_target(model)),
+        ReDrafterProposer(drafter_like_target(model), model, beam_width=3, beam_length=4),
+        DraftProposer(noisy_copy(model, path, 0.01, seed=1), model, k=4),
+    ]
+    for i, (prompt, ref) in enumerate(references):
+        oracle = OracleProposer(ref[1:], model.args.vocab_size, seed=i)
+        oracle.prompt_len = len(prompt) + 1
+        for proposer in [oracle] + proposers:
+            got, _, accepted = run_steps(model, proposer, prompt, N_TOKENS)
+            assert got == ref, f"{type(proposer).__name__}, prompt {prompt}"
+            if proposer is oracle:
+                assert accepted > 10

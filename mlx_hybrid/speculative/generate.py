@@ -27,7 +27,6 @@ from mlx_hybrid.generate import (
     generation_stream,
     prefill,
 )
-from mlx_hybrid.models import llama
 from mlx_hybrid.speculative import accept
 from mlx_hybrid.speculative.tree import retrieve_indices
 
@@ -73,13 +72,6 @@ def load_proposer(
     from mlx_hybrid.speculative.draft import DraftProposer
 
     return DraftProposer(load_model(path), target, num_draft)
-
-
-def check_target(model: nn.Module):
-    # Recurrent layers verify trees through `parents` (mlx_hybrid.models.hybrid); wiring hybrid
-    # targets into this loop is separate work.
-    if not all(isinstance(layer, llama.DecoderLayer) for layer in model.layers):
-        raise HybridError("speculative decoding supports Llama/Mistral targets only so far, not hybrid ones")
 
 
 def _first_token(logits: mx.array, sampling: SamplingParams, rng: np.random.Generator) -> int:
@@ -153,7 +145,6 @@ def speculative_generate(
     same responses, one per token, plus speculation stats (steps, tokens per step, acceptance).
 
     With a `cache` that already holds `history`, the prompt continues it (as a chat does)."""
-    check_target(model)
     sampling = sampling or SamplingParams()
     sampling.check()
     if sampling.repetition_penalty is not None:
