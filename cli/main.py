@@ -1,6 +1,7 @@
 """The `hybrid` command: chat and generate with Llama-family and hybrid models on MLX."""
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -49,10 +50,23 @@ def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
 
 def _stats(r) -> str:
     memory = f"{r.peak_memory:.2f} GB" if r.peak_memory >= 1 else f"{r.peak_memory * 1e3:.0f} MB"
+    speculation = ""
+    if hasattr(r, "tokens_per_step"):  # a SpeculativeResponse
+        speculation = f" | {r.tokens_per_step:.2f} tok/step, {r.acceptance_rate:.0%} of drafts accepted"
     return (
         f"prompt {r.prompt_tokens} tok, {r.prompt_tps:.1f} tok/s | "
-        f"reply {r.generation_tokens} tok, {r.generation_tps:.1f} tok/s | peak memory {memory}"
+        f"reply {r.generation_tokens} tok, {r.generation_tps:.1f} tok/s{speculation} | peak memory {memory}"
     )
+
+
+def _proposer(method, target, model_dir, heads, draft_model, num_draft):
+    """The proposer --speculative asks for (None without it), its files given or beside the model."""
+    if method is None:
+        return None
+    from mlx_hybrid.speculative.generate import load_proposer
+
+    with err.status(f"Loading the {method} speculator ..."):
+        return load_proposer(method, target, model_dir, draft_model if method == "draft" else heads, num_draft=num_draft)
 
 
 # Shared sampling options (typer reads defaults from these).
@@ -62,6 +76,12 @@ TopK = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 di
 MinP = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0 disables).")
 RepPenalty = typer.Option(None, "--repetition-penalty", help="Penalize the last 20 tokens (> 1 discourages repeats).")
 Seed = typer.Option(None, "--seed", help="Random seed for sampling.")
+Speculative = typer.Option(
+    None, "--speculative", help="Speculative decoding: medusa, redrafter or draft (files in MODEL/<method> or given by path)."
+)
+Heads = typer.Option(None, "--heads", help="Medusa heads or ReDrafter drafter directory. Default: MODEL/medusa, MODEL/redrafter.")
+DraftModel = typer.Option(None, "--draft-model", help="Draft model directory for --speculative draft. Default: MODEL/draft.")
+NumDraft = typer.Option(4, "--num-draft", help="Tokens the draft model proposes per step.")
 
 
 @app.command()
@@ -134,11 +154,16 @@ def generate(
     min_p: float = MinP,
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
+    speculative: Optional[str] = Speculative,
+    heads: Optional[Path] = Heads,
+    draft_model: Optional[Path] = DraftModel,
+    num_draft: int = NumDraft,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory to stderr."),
 ):
     """Generate a completion for one prompt and stream it to stdout."""
     from mlx_hybrid.chat import ChatSession
     from mlx_hybrid.generate import stream_generate
+    from mlx_hybrid.speculative.generate import speculative_generate
 
     sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
     if prompt is None or prompt == "-":
@@ -151,8 +176,10 @@ def generate(
     if not raw:
         session = ChatSession(loaded, tokenizer, system=system)
         prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
+    proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
+    run = stream_generate if proposer is None else partial(speculative_generate, proposer=proposer)
     r = None
-    for r in stream_generate(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop):
+    for r in run(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop):
         out.print(r.text, end="", markup=False)
     out.print()
     if verbose and r is not None:
