@@ -164,7 +164,7 @@ def _env():
 
 
 def test_killed_run_resumes_to_the_same_weights(tmp_path, teacher_dir, labels):
-    common = dict(teacher=str(teacher_dir), data=str(labels), steps=40, save_every=5, batch_size=3, lr=3e-3, seed=7)
+    common = dict(teacher=str(teacher_dir), data=str(labels), steps=120, save_every=5, batch_size=3, lr=3e-3, seed=7)
     full = write_config(tmp_path / "full.json", out=str(tmp_path / "full"), **common)
     assert run("distill", full) == 0
     cfg = write_config(tmp_path / "k.json", out=str(tmp_path / "killed"), **common)
@@ -176,7 +176,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, teacher_dir, labels):
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
     stopped_at = torch.load(checkpoint, weights_only=False)["step"]
-    assert 5 <= stopped_at < 40 and not (tmp_path / "killed" / "model").exists()
+    assert 5 <= stopped_at < 120 and not (tmp_path / "killed" / "model").exists()
     done = subprocess.run(cmd + ["--resume"], env=_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     a, b = load_file(tmp_path / "full" / "model" / "model.safetensors"), load_file(tmp_path / "killed" / "model" / "model.safetensors")
