@@ -82,6 +82,17 @@ Speculative = typer.Option(
 Heads = typer.Option(None, "--heads", help="Medusa heads or ReDrafter drafter directory. Default: MODEL/medusa, MODEL/redrafter.")
 DraftModel = typer.Option(None, "--draft-model", help="Draft model directory for --speculative draft. Default: MODEL/draft.")
 NumDraft = typer.Option(4, "--num-draft", help="Tokens the draft model proposes per step.")
+Budget = typer.Option(
+    None, "--memory-budget", help="Memory for weights + cache, e.g. 8GB; DSLA layers convert to fit. Default: the device's."
+)
+
+
+def _conversion(dsla_layers: list, cache: list) -> str:
+    """Footer of runs under a conversion policy: layers running as DSLA, and the cache's memory now."""
+    from mlx_hybrid.adaptive import cache_nbytes, format_bytes
+
+    n = len(dsla_layers)
+    return f" | DSLA {n}/{len(cache)} layers ({n / len(cache):.0%}) | KV {format_bytes(cache_nbytes(cache))}"
 
 
 @app.command()
@@ -95,14 +106,17 @@ def chat(
     min_p: float = MinP,
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
+    memory_budget: Optional[str] = Budget,
 ):
     """Chat in the terminal. /reset clears the history, /exit quits, Ctrl-C stops a reply."""
+    from mlx_hybrid.adaptive import parse_budget
     from mlx_hybrid.chat import ChatSession
 
     sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
     if max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {max_tokens}")
-    session = ChatSession(*_load(model), system=system)
+    budget = None if memory_budget is None else parse_budget(memory_budget)
+    session = ChatSession(*_load(model), system=system, memory_budget=budget)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -137,6 +151,7 @@ def chat(
         if r is not None:
             limit = session.context_limit
             ctx = f" | context {session.context_used}/{limit}" if limit else ""
+            ctx += _conversion(session.dsla_layers, session.cache) if session.policy else ""
             out.print(f"[dim]{_stats(r)}{ctx}[/]")
 
 
@@ -154,6 +169,7 @@ def generate(
     min_p: float = MinP,
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
+    memory_budget: Optional[str] = Budget,
     speculative: Optional[str] = Speculative,
     heads: Optional[Path] = Heads,
     draft_model: Optional[Path] = DraftModel,
@@ -161,11 +177,13 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory to stderr."),
 ):
     """Generate a completion for one prompt and stream it to stdout."""
+    from mlx_hybrid.adaptive import is_adaptive, parse_budget, request_cache
     from mlx_hybrid.chat import ChatSession
     from mlx_hybrid.generate import stream_generate
     from mlx_hybrid.speculative.generate import speculative_generate
 
     sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    budget = None if memory_budget is None else parse_budget(memory_budget)
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
             raise HybridError("no prompt: pass --prompt TEXT or pipe text on stdin")
@@ -176,14 +194,18 @@ def generate(
     if not raw:
         session = ChatSession(loaded, tokenizer, system=system)
         prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
+    cache = plan = None
+    if budget is not None or is_adaptive(loaded):
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        cache, plan = request_cache(loaded, len(ids), max_tokens, budget)
     proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
     run = stream_generate if proposer is None else partial(speculative_generate, proposer=proposer)
     r = None
-    for r in run(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop):
+    for r in run(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop, cache=cache):
         out.print(r.text, end="", markup=False)
     out.print()
     if verbose and r is not None:
-        err.print(f"[dim]{_stats(r)}[/]")
+        err.print(f"[dim]{_stats(r)}{_conversion(plan.dsla_layers, cache) if plan else ''}[/]")
 
 
 @app.command()

@@ -3,6 +3,11 @@
 Each turn renders the whole conversation with the tokenizer's chat template, keeps the cached
 prefix it shares with the new rendering and prefills only the rest, so a long chat does not
 re-read its history every turn.
+
+A model with DSLA weights (or any model given a memory budget) runs each turn with as many
+layers as DSLA as the conversation so far plus max_tokens need to fit the budget
+(`mlx_hybrid.adaptive`); when a turn needs more than the history ran with, the history is
+re-read once with the new conversion, since a layer's DSLA state cannot come from its KV cache.
 """
 
 from itertools import chain
@@ -11,6 +16,7 @@ from typing import Iterator
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_hybrid.adaptive import ConversionPolicy, Plan, cache_nbytes, is_adaptive
 from mlx_hybrid.cache import trim_cache
 from mlx_hybrid.generate import GenerationResponse, SamplingParams, context_limit, stream_generate
 
@@ -25,14 +31,20 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ChatSession:
-    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None):
+    def __init__(
+        self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None, memory_budget=None
+    ):
         self.model, self.tokenizer, self.system = model, tokenizer, system
+        adaptive = memory_budget is not None or is_adaptive(model)
+        self.policy = ConversionPolicy(model, memory_budget) if adaptive else None
+        self.plan: Plan | None = None  # the last turn's plan
         self.reset()
 
     def reset(self):
         """Forget the conversation (the system prompt stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.cache = self.model.make_cache()
+        self.dsla_layers: list[int] = []  # layers the cache runs as DSLA
+        self.cache = self._new_cache()
         self.tokens: list[int] = []  # exactly the tokens whose keys/values the cache holds
 
     @property
@@ -42,6 +54,14 @@ class ChatSession:
     @property
     def context_limit(self) -> int | None:
         return context_limit(self.model)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Memory the conversation's caches (KV and recurrent states) hold now."""
+        return cache_nbytes(self.cache)
+
+    def _new_cache(self) -> list:
+        return self.model.make_cache(self.dsla_layers) if self.dsla_layers else self.model.make_cache()
 
     def render(self, messages: list[dict]) -> list[int]:
         if self.tokenizer.chat_template is None:
@@ -56,8 +76,14 @@ class ChatSession:
         """Stream the assistant's reply to text. Closing the iterator early keeps the partial reply."""
         prompt = self.render(self.messages + [{"role": "user", "content": text}])
         keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
+        if self.policy:
+            limit = self.context_limit
+            self.plan = self.policy.plan(len(prompt), min(max_tokens, limit - len(prompt)) if limit else max_tokens)
+            if len(self.plan.dsla_layers) > len(self.dsla_layers):  # convert more: re-read the history
+                self.dsla_layers = self.plan.dsla_layers
+                self.cache, self.tokens, keep = self._new_cache(), [], 0
         if trim_cache(self.cache, len(self.tokens) - keep) != len(self.tokens) - keep:
-            self.cache, keep = self.model.make_cache(), 0  # a sliding-window cache can't rewind that far
+            self.cache, keep = self._new_cache(), 0  # a sliding-window cache can't rewind that far
         self.tokens = prompt[:keep]
         replies = stream_generate(
             self.model, self.tokenizer, prompt[keep:], max_tokens=max_tokens, sampling=sampling, cache=self.cache
@@ -85,5 +111,5 @@ class ChatSession:
         for c in self.cache:
             c.trim(c.offset - n)
         if any(c.offset != n for c in self.cache):
-            self.cache, n = self.model.make_cache(), 0
+            self.cache, n = self._new_cache(), 0
         self.tokens = fed[:n]

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_hybrid.adaptive import is_adaptive, request_cache
 from mlx_hybrid.errors import HybridError
 
 generation_stream = mx.new_stream(mx.default_device())
@@ -129,11 +130,14 @@ def stream_generate(
     stop: list[str] | tuple = (),
     cache: list | None = None,
     prefill_step_size: int = 512,
+    memory_budget: str | int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream text pieces (with per-token stats) for prompt, a string or token ids.
 
     With a `cache` from `model.make_cache()` the prompt continues what the cache already holds,
-    which is how a chat keeps its history without re-reading it.
+    which is how a chat keeps its history without re-reading it. Without one, a model with DSLA
+    weights runs as many layers as DSLA as weights + cache need to fit memory_budget (bytes or
+    e.g. "8GB"; default: the device's, see `mlx_hybrid.adaptive`); a budget also applies to others.
     """
     sampling = sampling or SamplingParams()
     sampling.check()
@@ -142,7 +146,6 @@ def stream_generate(
     tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise HybridError("the prompt is empty")
-    cache = cache if cache is not None else model.make_cache()
     used = cache[0].offset if cache else 0
     limit = context_limit(model)
     if limit is not None and used + len(tokens) >= limit:
@@ -151,6 +154,9 @@ def stream_generate(
         )
     if limit is not None:
         max_tokens = min(max_tokens, limit - used - len(tokens))
+    if cache is None and (memory_budget is not None or is_adaptive(model)):
+        cache, _ = request_cache(model, len(tokens), max_tokens, memory_budget, prefill_step_size)
+    cache = cache if cache is not None else model.make_cache()
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
 

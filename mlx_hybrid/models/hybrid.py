@@ -41,6 +41,9 @@ class ModelArgs(llama.ModelArgs):
     conv_bias: bool = True
     gate_rank: int = 16  # DSLA's low-rank forget-gate projections
     gate_norm: float = 16.0  # DSLA gates are logsigmoid(.) / gate_norm, as in GLA
+    # Attention layers that also carry DSLA weights, least sensitive first, and how many of them
+    # may run as DSLA at once: {"order": [...], "max_layers": k} (see mlx_hybrid/adaptive.py).
+    dsla_conversion: dict | None = None
 
     def __post_init__(self):
         window = self.sliding_window if self.base_model_type == "mistral" else None
@@ -62,6 +65,24 @@ class ModelArgs(llama.ModelArgs):
                 raise ValueError(f"{name} ({getattr(self, name)}) is not a multiple of d_state ({self.d_state})")
         if self.d_inner % self.d_xb:
             raise ValueError(f"d_inner ({self.d_inner}) is not a multiple of d_xb ({self.d_xb})")
+        self.dsla_order, self.dsla_max_layers = self._dsla_conversion()
+
+    def _dsla_conversion(self) -> tuple[list[int], int]:
+        conv = self.dsla_conversion or {}
+        if not isinstance(conv, dict) or set(conv) - {"order", "max_layers"}:
+            raise ValueError(f"dsla_conversion must be {{'order': [...], 'max_layers': k}}, got {conv!r}")
+        order = conv.get("order", [])
+        if not isinstance(order, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in order):
+            raise ValueError(f"dsla_conversion.order must be a list of layer indices, got {order!r}")
+        if len(set(order)) != len(order):
+            raise ValueError(f"dsla_conversion.order lists a layer twice: {order}")
+        for i in order:
+            if not 0 <= i < self.num_hidden_layers or self.mixer_types[i] != "attention":
+                raise ValueError(f"dsla_conversion.order: layer {i} is not an attention layer of this model")
+        max_layers = conv.get("max_layers", len(order))
+        if not isinstance(max_layers, int) or isinstance(max_layers, bool) or not 0 <= max_layers <= len(order):
+            raise ValueError(f"dsla_conversion.max_layers must be an integer in [0, {len(order)}], got {max_layers!r}")
+        return order, max_layers
 
 
 def expand_groups(t: mx.array, size: int, repeats: int) -> mx.array:
@@ -373,12 +394,19 @@ MIXERS = {"attention": llama.Attention, "mamba": Mamba, "mamba2": Mamba2, "dsla"
 
 
 class HybridLayer(nn.Module):
-    """A Llama decoder layer whose token mixer is attention, Mamba, Mamba2 or DSLA."""
+    """A Llama decoder layer whose token mixer is attention, Mamba, Mamba2 or DSLA.
 
-    def __init__(self, args: ModelArgs, kind: str):
+    A convertible attention layer also holds a DSLA mixer (same MLP and norms) and runs as DSLA
+    whenever it is handed a `StateCache` instead of a `KVCache` (`Model.make_cache`), so each
+    sequence picks its own conversion with both weight sets loaded once.
+    """
+
+    def __init__(self, args: ModelArgs, kind: str, convertible: bool = False):
         super().__init__()
         self.kind = kind
         setattr(self, MIXER_NAME[kind], MIXERS[kind](args))
+        if convertible:
+            self.dsla = DSLA(args)
         self.mlp = llama.MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -390,11 +418,13 @@ class HybridLayer(nn.Module):
     def __call__(self, x: mx.array, cache, tree=None) -> mx.array:
         """With `tree` (`mlx_hybrid.speculative.tree.Tree`) x holds speculative candidates:
         attention sees the tree's positions and mask, a recurrent layer its parents."""
+        kind = "dsla" if self.kind == "attention" and isinstance(cache, StateCache) else self.kind
+        mixer = self[MIXER_NAME[kind]]
         x_norm = self.input_layernorm(x)
         if tree is None:
-            h = x + self.mixer(x_norm, cache)
+            h = x + mixer(x_norm, cache)
         else:
-            h = x + self.mixer(x_norm, cache, tree if self.kind == "attention" else tree.parents)
+            h = x + mixer(x_norm, cache, tree if kind == "attention" else tree.parents)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -402,12 +432,16 @@ class Model(llama.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         # Replaces the Llama layers built above (their weights were never materialized).
-        self.model.layers = [HybridLayer(args, kind) for kind in args.mixer_types]
+        self.model.layers = [HybridLayer(args, kind, i in args.dsla_order) for i, kind in enumerate(args.mixer_types)]
 
-    def make_cache(self) -> list:
+    def make_cache(self, dsla_layers=()) -> list:
+        """Caches for one sequence; the convertible layers in dsla_layers run as DSLA for it."""
+        dsla_layers = set(dsla_layers)
+        if not dsla_layers <= set(self.args.dsla_order):
+            raise ValueError(f"layers {sorted(dsla_layers - set(self.args.dsla_order))} have no DSLA weights")
         return [
-            KVCache(self.args.sliding_window) if kind == "attention" else StateCache()
-            for kind in self.args.mixer_types
+            KVCache(self.args.sliding_window) if kind == "attention" and i not in dsla_layers else StateCache()
+            for i, kind in enumerate(self.args.mixer_types)
         ]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
