@@ -341,6 +341,48 @@ def save_hybrid(model, path: Path, tokenizer=None):
         tokenizer.save_pretrained(path)
 
 
+def save_adaptive(teacher, student, path: Path, order: list[int], max_layers: int | None = None, tokenizer=None):
+    """Write a model whose layers in `order` run as attention or as DSLA, per request (runtime:
+    mlx_hybrid/adaptive.py; format: "Adaptive DSLA conversion" in mlx_hybrid/checkpoint_format.md).
+
+    Attention weights come from the teacher, DSLA mixers from the `dsla` stage's student, whose
+    chained conversion order is `order` (least sensitive first). The two must share everything
+    else, since the runtime keeps one MLP and one pair of norms per layer."""
+    path = Path(path)
+    if path.exists():
+        raise TrainError(f"{path} exists")
+    teacher_kinds, student_kinds = mixer_types(teacher), mixer_types(student)
+    max_layers = len(order) if max_layers is None else max_layers
+    if len(set(order)) != len(order) or not 0 <= max_layers <= len(order):
+        raise TrainError(f"order {order} lists a layer twice or max_layers {max_layers} is not in [0, {len(order)}]")
+    for i in order:
+        if not 0 <= i < len(teacher_kinds) or teacher_kinds[i] != "attention" or student_kinds[i] != "dsla":
+            raise TrainError(f"layer {i} must be attention in the teacher and dsla in the student")
+    dsla = tuple(f"model.layers.{i}.dsla." for i in order)
+    student_state = {k: v for k, v in student.state_dict().items() if not k.startswith(dsla)}
+    state = {}
+    for k, v in teacher.state_dict().items():
+        if k.startswith(tuple(f"model.layers.{i}.self_attn." for i in order)):
+            state[k] = v
+        elif k not in student_state or not torch.equal(student_state[k].cpu(), v.cpu()):
+            raise TrainError(f"student and teacher differ at {k}: only the DSLA mixers may differ")
+        else:
+            state[k] = v
+    state.update({k: v for k, v in student.state_dict().items() if k.startswith(dsla)})
+    state = {k: v.detach().float().contiguous().cpu() for k, v in state.items()}
+    if teacher.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    config = dict(hybrid_config(teacher), **asdict(student.hybrid_args))
+    config["dsla_conversion"] = {"order": list(order), "max_layers": max_layers}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "model.safetensors"), {"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+
+
 def load_hybrid(path: Path, dtype=torch.float32):
     """A hybrid directory written by `save_hybrid` (or a plain Llama/Mistral directory) as a torch model."""
     path = Path(path)
