@@ -9,6 +9,7 @@ copy the output directory to the GPU machine.
     python train_cuda/scripts/fetch_corpus.py OUT_DIR
 """
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -38,4 +39,6 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "corpus"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="corpus", help="output directory (default: corpus)")
+    sys.exit(main(parser.parse_args().out))
