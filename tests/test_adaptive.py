@@ -248,3 +248,28 @@ def test_cli_chat_footer_shows_conversion_and_kv_memory(monkeypatch, capsys, dir
     code, out, _ = run(monkeypatch, capsys, "chat", "--model", dirs[0], "--max-tokens", 5, stdin="hello\n/exit\n")
     assert code == 0
     assert "DSLA 0/5 layers (0%)" in out and "KV " in out
+
+
+def test_benchmark_entropy_ranking_matches_transformers(tmp_path):
+    """benchmarks/dsla_conversion.py ranks layers by the final query's attention entropy: equal to
+    the entropy of transformers' own attention weights (eager attention, output_attentions)."""
+    import sys
+    from pathlib import Path
+
+    from factories import make_hf_model_dir
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from dsla_conversion import attention_entropy
+
+    path = make_hf_model_dir(tmp_path / "m", seed=6, num_hidden_layers=4)
+    model, _ = load(path, "float32")
+    prompts = [prompt_ids(30, seed=1), prompt_ids(45, seed=2)]
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    expected = np.zeros(4)
+    with torch.no_grad():
+        for ids in prompts:
+            for i, a in enumerate(ref(torch.tensor([ids]), output_attentions=True).attentions):
+                p = a[0, :, -1].double()
+                expected[i] += float(-(p * p.clamp_min(1e-30).log()).sum(-1).mean()) / len(prompts)
+    np.testing.assert_allclose(attention_entropy(model, prompts), expected, atol=1e-4, rtol=0)
