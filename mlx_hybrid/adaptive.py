@@ -17,6 +17,8 @@ The cache estimate repeats `KVCache`'s arithmetic (buffers grow in `cache.STEP`-
 sliding window drops rows) and measures the fixed-size recurrent states with a one-token probe,
 so it equals the caches' `nbytes` at the end of the request. Transient memory (activations of a
 prefill chunk, the old buffer while a KV cache grows) is not counted: leave headroom for it.
+The estimate assumes one token per decode step; speculative decoding appends a candidate tree's
+rows before accepting some, which can grow a KV buffer one STEP earlier.
 """
 
 import os
