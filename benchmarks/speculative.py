@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""Speculative decoding: decode tokens/s and tokens per target pass, each method vs plain decoding.
+
+One process, one backend, the same weights for everything: this runtime's plain greedy decoding,
+its Medusa, ReDrafter and draft-model speculation, and mlx-lm's plain and draft-model
+(`speculative_generate_step`) decoding. Greedy, exactly --gen-tokens tokens after a fixed-seed
+random prompt; each runner is warmed up once, then the trials are interleaved (median). Decode
+tokens/s = (tokens - 1) / time from the first to the last token, as in benchmarks/run.py.
+"same tokens" checks each method's output against our plain greedy tokens.
+
+--model DIR takes a target with its `medusa/`, `redrafter/` and `draft/` subdirectories
+(mlx_hybrid/speculative/FORMAT.md; the trained ones come from train_cuda/). --synthetic NAME
+builds a random-weight target in a real shape, Medusa heads initialized as Medusa does before
+training (ResBlocks zero, LM heads copies of the target's), a random drafter, and a draft made of
+the target's first --draft-layers layers: acceptance is then low and the numbers show overhead,
+not the speedup trained heads give.
+
+    python benchmarks/speculative.py --synthetic smollm2-135m
+    python benchmarks/speculative.py --model path/to/model --label "NVIDIA H100, MLX CUDA backend"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import mlx.core as mx
+import mlx.utils
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from run import SYNTHETIC, device_description, make_synthetic, slugify, update_readme  # noqa: E402
+
+from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
+from mlx_hybrid.loader import load_model  # noqa: E402
+from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
+
+
+def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
+    """Medusa heads (Medusa's initialization), a random drafter and a layer-truncated draft, in
+    the FORMAT.md layout, beside a synthetic target."""
+    from safetensors.numpy import save_file
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    H, V = model.args.hidden_size, model.args.vocab_size
+    lm = np.array(model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight, np.float32)
+    heads = 4
+    medusa = {}
+    for i in range(heads):
+        medusa[f"medusa_head.{i}.0.linear.weight"] = np.zeros((H, H), np.float32)
+        medusa[f"medusa_head.{i}.0.linear.bias"] = np.zeros(H, np.float32)
+        medusa[f"medusa_head.{i}.1.weight"] = lm
+    drafter = {
+        "lm_head.0.linear.weight": rng.normal(0, 0.02, (2 * H, 2 * H)).astype(np.float32),
+        "lm_head.0.linear.bias": np.zeros(2 * H, np.float32),
+        "lm_head.1.weight": rng.normal(0, 0.02, (V, 2 * H)).astype(np.float32),
+        "rnn_u.weight": rng.normal(0, 0.02, (H, H)).astype(np.float32),
+        "rnn_u.bias": np.zeros(H, np.float32),
+        "rnn_w.weight": rng.normal(0, 0.02, (H, H)).astype(np.float32),
+    }
+    for name, tensors, config in [
+        ("medusa", medusa, dict(model_type="medusa", medusa_num_heads=heads, medusa_num_layers=1)),
+        ("redrafter", drafter, dict(model_type="recurrent_drafting_drafter", exit_dim=2 * H, num_draft_layers=1, rnn=True)),
+    ]:
+        (target_dir / name).mkdir(exist_ok=True)
+        save_file(tensors, str(target_dir / name / "model.safetensors"))
+        (target_dir / name / "config.json").write_text(json.dumps(dict(config, hidden_size=H, vocab_size=V)))
+    draft = target_dir / "draft"
+    draft.mkdir(exist_ok=True)
+    config = json.loads((target_dir / "config.json").read_text())
+    config["num_hidden_layers"] = draft_layers
+    (draft / "config.json").write_text(json.dumps(config))
+    weights = mx.load(str(next(target_dir.glob("*.safetensors"))))
+    keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < draft_layers}
+    mx.save_safetensors(str(draft / "model.safetensors"), keep)
+
+
+def timed(tokens_iter, n: int):
+    """Drive a token generator for n tokens: (tokens, seconds from first to last token)."""
+    tokens, first = [], None
+    for t in tokens_iter:
+        tokens.append(t)
+        if first is None:
+            first = time.perf_counter()
+        if len(tokens) == n:
+            break
+    return tokens, time.perf_counter() - first
+
+
+def runners(target_dir: Path, ours, k: int, beam: tuple[int, int]):
+    """name -> function(prompt, n) -> (tokens, seconds, target passes)."""
+    from mlx_lm.generate import generate_step as lm_generate_step
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.utils import load_model as lm_load_model
+
+    dtype = ours.model.embed_tokens.weight.dtype
+    cast = lambda m: m.update(mlx.utils.tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, m.parameters())) or m  # noqa: E731
+    lm_target = cast(lm_load_model(target_dir)[0])
+    lm_draft = cast(lm_load_model(target_dir / "draft")[0]) if (target_dir / "draft").is_dir() else None
+    greedy = SamplingParams()
+    argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+
+    def ours_plain(prompt, n):
+        toks, secs = timed((t for t, _ in generate_step(mx.array(prompt), ours, ours.make_cache(), argmax, max_tokens=n)), n)
+        return toks, secs, n
+
+    def lm_plain(prompt, n):
+        toks, secs = timed((int(t) for t, _ in lm_generate_step(mx.array(prompt), lm_target, max_tokens=n, sampler=argmax)), n)
+        return toks, secs, n
+
+    def spec(proposer):
+        def run(prompt, n):
+            steps = [0]
+
+            def tokens():
+                for new, _ in speculative_steps(ours, proposer, prompt, ours.make_cache(), greedy):
+                    steps[0] += 1
+                    yield from new
+
+            toks, secs = timed(tokens(), n)
+            return toks, secs, steps[0]
+
+        return run
+
+    def lm_spec(prompt, n):
+        steps = [0]
+
+        def tokens():
+            for t, _, from_draft in speculative_generate_step(
+                mx.array(prompt), lm_target, lm_draft, num_draft_tokens=k, max_tokens=n, sampler=argmax
+            ):
+                steps[0] += not from_draft
+                yield int(t)
+
+        toks, secs = timed(tokens(), n)
+        return toks, secs, steps[0]
+
+    out = {"mlx-hybrid plain": ours_plain, "mlx-lm plain": lm_plain}
+    for method in ("medusa", "redrafter", "draft"):
+        if (target_dir / method).is_dir():
+            proposer = load_proposer(method, ours, target_dir, num_draft=k, beam_width=beam[0], beam_length=beam[1])
+            out[f"mlx-hybrid {method}"] = spec(proposer)
+    if lm_draft is not None:
+        out["mlx-lm draft"] = lm_spec
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="target directory with medusa/, redrafter/, draft/ beside it")
+    src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-weight target in this shape")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (ours and mlx-lm's)")
+    p.add_argument("--beam", default="4x4", help="ReDrafter beam width x length")
+    p.add_argument("--draft-layers", type=int, default=2, help="synthetic: layers of the truncated draft")
+    p.add_argument("--work-dir", type=Path, default=BENCH_DIR / "results" / "models")
+    p.add_argument("--label", default=None)
+    args = p.parse_args(argv)
+    beam = tuple(int(x) for x in args.beam.lower().split("x"))
+
+    if args.synthetic:
+        target_dir = args.work_dir / f"{args.synthetic}-speculative"
+        if not (target_dir / "config.json").is_file():
+            make_synthetic(args.synthetic, target_dir, seed=0)
+        ours = load_model(target_dir)
+        if not (target_dir / "medusa").is_dir():
+            write_heads(target_dir, ours, seed=0, draft_layers=args.draft_layers)
+    else:
+        target_dir = args.model
+        ours = load_model(target_dir)
+    device = device_description()
+    label = args.label or device["default_label"]
+    prompt = mx.random.randint(0, ours.args.vocab_size, (args.prompt_tokens,), key=mx.random.key(0)).tolist()
+    run = runners(target_dir, ours, args.num_draft, beam)
+    trials = {name: [] for name in run}
+    reference = None
+    for name, fn in run.items():  # warm-up; the reference tokens
+        toks, _, _ = fn(prompt, args.gen_tokens)
+        reference = reference or toks
+    for _ in range(args.trials):
+        for name, fn in run.items():
+            toks, secs, steps = fn(prompt, args.gen_tokens)
+            trials[name].append(dict(tps=(len(toks) - 1) / secs, steps=steps, same=toks == reference))
+    base = median(t["tps"] for t in trials["mlx-hybrid plain"])
+    rows = []
+    for name, ts in trials.items():
+        tps = median(t["tps"] for t in ts)
+        per_step = (args.gen_tokens - 1) / max(1, median(t["steps"] for t in ts) - 1) if "plain" not in name else 1.0
+        rows.append(dict(method=name, tps=tps, speedup=tps / base, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
+    command = "python benchmarks/speculative.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
+                  dtype=str(ours.model.embed_tokens.weight.dtype).split(".")[-1], args={k: str(v) for k, v in vars(args).items()},
+                  rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    slug = slugify(f"speculative {args.synthetic or args.model.name} {label}")
+    out_dir = BENCH_DIR / "results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
+
+    lines = [f"<!-- results:{slug} -->", f"### Speculative decoding: {result['model']}, {result['dtype']}, {label}", "",
+             f"`{command}` (greedy, {args.gen_tokens} tokens after {args.prompt_tokens} prompt tokens, median of {args.trials})", "",
+             "| method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | same tokens |", "| --- | ---: | ---: | ---: | :---: |"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['tps']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {'yes' if r['same'] else 'no'} |")
+    lines += ["", f"![tokens/s]({'results/' + slug + '.png'})", f"<!-- /results:{slug} -->"]
+    section = "\n".join(lines)
+    print(section)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.barh([r["method"] for r in rows][::-1], [r["tps"] for r in rows][::-1], color="tab:blue")
+        ax.set_xlabel("decode tokens/s (greedy)")
+        ax.set_title(f"{result['model']}, {label}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{slug}.png", dpi=120)
+    except ImportError:
+        pass
+    update_readme(BENCH_DIR / "README.md", slug, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
