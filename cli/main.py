@@ -107,6 +107,10 @@ def chat(
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
     memory_budget: Optional[str] = Budget,
+    speculative: Optional[str] = Speculative,
+    heads: Optional[Path] = Heads,
+    draft_model: Optional[Path] = DraftModel,
+    num_draft: int = NumDraft,
 ):
     """Chat in the terminal. /reset clears the history, /exit quits, Ctrl-C stops a reply."""
     from mlx_hybrid.adaptive import parse_budget
@@ -116,7 +120,9 @@ def chat(
     if max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {max_tokens}")
     budget = None if memory_budget is None else parse_budget(memory_budget)
-    session = ChatSession(*_load(model), system=system, memory_budget=budget)
+    loaded, tokenizer = _load(model)
+    proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
+    session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, proposer=proposer)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:

@@ -32,9 +32,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class ChatSession:
     def __init__(
-        self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None, memory_budget=None
+        self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None, memory_budget=None,
+        proposer=None,
     ):
+        """proposer: replies use speculative decoding with it (`mlx_hybrid.speculative.load_proposer`)."""
         self.model, self.tokenizer, self.system = model, tokenizer, system
+        self.proposer = proposer
         adaptive = memory_budget is not None or is_adaptive(model)
         self.policy = ConversionPolicy(model, memory_budget) if adaptive else None
         self.plan: Plan | None = None  # the last turn's plan
@@ -85,9 +88,17 @@ class ChatSession:
         if trim_cache(self.cache, len(self.tokens) - keep) != len(self.tokens) - keep:
             self.cache, keep = self._new_cache(), 0  # a sliding-window cache can't rewind that far
         self.tokens = prompt[:keep]
-        replies = stream_generate(
-            self.model, self.tokenizer, prompt[keep:], max_tokens=max_tokens, sampling=sampling, cache=self.cache
-        )
+        if self.proposer is None:
+            replies = stream_generate(
+                self.model, self.tokenizer, prompt[keep:], max_tokens=max_tokens, sampling=sampling, cache=self.cache
+            )
+        else:
+            from mlx_hybrid.speculative import speculative_generate
+
+            replies = speculative_generate(
+                self.model, self.tokenizer, prompt[keep:], self.proposer, max_tokens=max_tokens, sampling=sampling,
+                cache=self.cache, history=self.tokens,
+            )
         try:
             first = next(replies)
         except BaseException:  # prompt rejected, or Ctrl-C during prefill: history unchanged

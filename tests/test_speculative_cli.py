@@ -57,3 +57,26 @@ def test_generate_speculative_paths_and_errors(monkeypatch, capsys, model_dir, t
     assert_one_line_error(code, err, "not found")
     code, _, err = run(monkeypatch, capsys, "generate", "-m", model_dir, "-p", "hi", "--speculative", "draft", "--repetition-penalty", 1.2)
     assert_one_line_error(code, err, "repetition penalty")
+
+
+def test_chat_session_speculative_turns_match_plain(model_dir):
+    """Two chat turns: the draft keeps its own cache across turns; replies equal plain greedy ones."""
+    from mlx_hybrid.chat import ChatSession
+    from mlx_hybrid.speculative import load_proposer
+
+    model, tokenizer = load(model_dir)
+    plain = ChatSession(model, tokenizer)
+    spec = ChatSession(model, tokenizer, proposer=load_proposer("draft", model, model_dir, num_draft=3))
+    for text in ("Tell me about the fox.", "And the robot?"):
+        want = [r.token for r in plain.send(text, max_tokens=15)]
+        got = list(spec.send(text, max_tokens=15))
+        assert [r.token for r in got] == want
+        assert got[-1].steps >= 1
+        assert spec.tokens == plain.tokens
+
+
+def test_chat_cli_speculative(monkeypatch, capsys, model_dir):
+    code, out, err = run(monkeypatch, capsys, "chat", "-m", model_dir, "--speculative", "medusa", "--max-tokens", 8,
+                         stdin="hello\n/exit\n")
+    assert code == 0, err
+    assert "tok/step" in out
