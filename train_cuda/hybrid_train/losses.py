@@ -38,3 +38,28 @@ def dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta: float = 0.1):
     Returns (loss, {"accuracy": share of pairs the student ranks right relative to the reference})."""
     margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
     return -F.logsigmoid(margin).mean(), {"accuracy": (margin > 0).float().mean().detach()}
+
+
+def medusa_loss(head_logits, head_targets, decay: float = 0.8):
+    """Medusa-1 (eq. 1): sum over heads k = 1..K of decay^k times head k's cross-entropy on the token
+    k+1 places ahead, each averaged over its positions (the paper's lambda_k = 0.8^k; the reference
+    code counts heads from 0, i.e. weights 1, 0.8, ...). head_logits[k-1]: (n_k, vocab), head_targets[k-1]: (n_k,).
+    Returns (loss, {"head1": CE_1, ...})."""
+    ces = [F.cross_entropy(x.float(), y) for x, y in zip(head_logits, head_targets)]
+    loss = sum(decay**k * ce for k, ce in enumerate(ces, 1))
+    return loss, {f"head{k}": ce.detach() for k, ce in enumerate(ces, 1)}
+
+
+def drafter_kd_loss(step_logits, base_logits):
+    """ReDrafter's distillation (eq. 1): KL(p_base || p_drafter) of the next-T-token distributions,
+    which factorizes into the sum over drafted steps j of the per-token KL between the base model's
+    distribution at that position and the drafter's step-j one, each averaged over its positions.
+    step_logits[j-1], base_logits[j-1]: (n_j, vocab). Returns (loss, {"kl1": ..., "top1_1": ...})."""
+    parts, loss = {}, 0.0
+    for j, (x, q) in enumerate(zip(step_logits, base_logits), 1):
+        logp, logq = F.log_softmax(x.float(), -1), F.log_softmax(q.float(), -1)
+        kl = (logq.exp() * (logq - logp)).sum(-1).mean()
+        loss = loss + kl
+        parts[f"kl{j}"] = kl.detach()
+        parts[f"top1_{j}"] = (x.argmax(-1) == q.argmax(-1)).float().mean().detach()
+    return loss, parts

@@ -21,6 +21,8 @@ from rich.table import Table
 
 from hybrid_train import data, layers
 from hybrid_train.errors import TrainError
+from hybrid_train.head_stages import HEAD_STAGES
+from hybrid_train.heads import is_recurrent, load_base
 from hybrid_train.losses import distill_loss, dpo_loss, nll_loss, sequence_logprob
 from hybrid_train.model import HybridArgs, convert_layers, load_hybrid, mixer_types, save_hybrid
 from hybrid_train.teacher import load_teacher, load_tokenizer
@@ -29,7 +31,7 @@ from hybrid_train.train import Dist, TrainConfig, train
 
 @dataclass
 class PseudoLabelConfig:
-    teacher: str
+    teacher: str  # HF directory, .gguf, or a hybrid directory (for training heads on a hybrid)
     prompts: str
     out: str  # .jsonl
     max_new_tokens: int = 256
@@ -144,28 +146,37 @@ def _entropy_ranking(cfg, teacher, tokenizer, env: Dist) -> list[float] | None:
 
 
 def pseudo_labels(cfg: PseudoLabelConfig, resume: bool = False):
-    """Teacher answers to every prompt, written as .jsonl (prompt order kept across ranks)."""
+    """Teacher answers to every prompt, written as .jsonl (prompt order kept across ranks).
+
+    A hybrid teacher has no KV cache in transformers and its recurrent layers would take left
+    padding into their state: it generates without a cache, in batches of equal-length prompts."""
     env = Dist()
     tokenizer = load_tokenizer(cfg.teacher)
-    teacher = load_teacher(cfg.teacher, _teacher_dtype(env), env.device)
+    teacher = load_base(cfg.teacher, _teacher_dtype(env), env.device)
+    recurrent = is_recurrent(teacher)
     prompts = data.read_prompts(cfg.prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     torch.manual_seed(cfg.seed + env.rank)
     mine = list(range(env.rank, len(prompts), env.world))
+    encoded = {i: data.encode_prompt(tokenizer, prompts[i], cfg.chat) for i in mine}
+    groups = [mine]
+    if recurrent:
+        groups = [[i for i in mine if len(encoded[i]) == n] for n in sorted({len(encoded[i]) for i in mine})]
+    batches = [g[k : k + cfg.batch_size] for g in groups for k in range(0, len(g), cfg.batch_size)]
     rows = []
     with Progress(disable=not env.main) as progress:
         task = progress.add_task("pseudo-labels", total=len(mine))
-        for k in range(0, len(mine), cfg.batch_size):
-            ids = [data.encode_prompt(tokenizer, prompts[i], cfg.chat) for i in mine[k : k + cfg.batch_size]]
+        for batch in batches:
+            ids = [encoded[i] for i in batch]
             width = max(map(len, ids))
             x = torch.tensor([[pad] * (width - len(s)) + s for s in ids], device=env.device)  # left padding
             mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in ids], device=env.device)
             sample = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature else {"do_sample": False}
             with torch.no_grad():
                 gen = teacher.generate(input_ids=x, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                       pad_token_id=pad, eos_token_id=eos, **sample)
-            for i, s, g in zip(mine[k : k + cfg.batch_size], ids, gen[:, width:].tolist()):
+                                       pad_token_id=pad, eos_token_id=eos, use_cache=not recurrent, **sample)
+            for i, s, g in zip(batch, ids, gen[:, width:].tolist()):
                 response = g[: g.index(eos) + 1] if eos in g else g
                 rows.append({"index": i, "prompt": prompts[i], "prompt_ids": s, "response_ids": response,
                              "response": tokenizer.decode(response, skip_special_tokens=True)})
@@ -349,4 +360,5 @@ STAGES = {
     "dpo": (dpo, DPOConfig),
     "dsla": (dsla, DSLAConfig),
     "perplexity": (perplexity, PerplexityConfig),
+    **HEAD_STAGES,
 }

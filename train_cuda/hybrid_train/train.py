@@ -98,13 +98,16 @@ def batch_indices(seed: int, n: int, step: int, batch_size: int) -> list[int]:
     return [_permutation(seed, i // n, n)[i % n] for i in range(step * batch_size, (step + 1) * batch_size)]
 
 
-def schedule(cfg: TrainConfig) -> Callable[[int], float]:
-    """Linear warm-up then cosine decay to min_lr, as a multiplier of lr."""
+def schedule(cfg: TrainConfig, delay: int = 0) -> Callable[[int], float]:
+    """Linear warm-up then cosine decay to min_lr, as a multiplier of lr; 0 for the first `delay` steps."""
 
     def factor(step: int) -> float:
+        if step < delay:
+            return 0.0
+        step -= delay
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - delay - cfg.warmup_steps)
         floor = cfg.min_lr / cfg.lr
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -167,11 +170,14 @@ def train(
     env: Dist,
     collate_fn: Callable = collate,
     label: str = "train",
+    groups: list[dict] | None = None,
 ) -> torch.nn.Module:
     """Train the parameters of `model` that require grad; returns the model (unwrapped).
 
     loss_fn(model, batch) -> (loss, {name: value}) runs under autocast; batch comes from
-    collate_fn on this rank's share of the step's examples, moved to the device.
+    collate_fn on this rank's share of the step's examples, moved to the device. `groups`
+    (optimizer parameter groups {"params", "lr", "delay"}) replaces the one group of every
+    trainable parameter at cfg.lr: each has its own lr, and its schedule starts `delay` steps late.
     """
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,11 +195,13 @@ def train(
     if cfg.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = groups or [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.lr}]
+    params = [p for g in groups for p in g["params"]]
     if not params:
         raise TrainError("nothing to train: every parameter is frozen")
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
+    opt = torch.optim.AdamW([{"params": g["params"], "lr": g["lr"]} for g in groups], lr=cfg.lr,
+                            betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [schedule(cfg, g.get("delay", 0)) for g in groups])
     start = 0
     if resume and checkpoint.exists():
         state = torch.load(checkpoint, map_location=env.device, weights_only=False)

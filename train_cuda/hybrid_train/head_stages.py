@@ -1,0 +1,196 @@
+"""Stages that train speculative-decoding heads for a base model (teacher or hybrid):
+
+medusa     Medusa-1: K heads on a frozen base, head k's cross-entropy weighted 0.8^k
+medusa2    Medusa-2: heads and backbone together, heads first (warm-up), differential learning
+           rates, KL to a frozen copy of the original model instead of the LM loss (self-distillation)
+redrafter  ReDrafter: a recurrent drafter distilled from the base's distributions along its own
+           greedy continuations (T drafted steps per position)
+
+Data: `pseudo-labels` of the base itself (Medusa's self-distillation; greedy for ReDrafter, so every
+position's T-token greedy continuation is the sequence itself). With `eval_data` (held-out greedy
+pseudo-labels) each stage writes the top-1 accuracy of every head / drafted step to out/report.json.
+Exports in mlx_hybrid/speculative/FORMAT.md's layout: out/medusa/, out/redrafter/, and for Medusa-2
+the changed backbone with its heads, out/model/ + out/model/medusa/.
+"""
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from hybrid_train.errors import TrainError
+from hybrid_train.heads import (Drafter, MedusaHeads, MedusaLM, ahead_mask, examples_from, hidden_states, load_base,
+                                save_heads, top1_accuracy)
+from hybrid_train.losses import distill_loss, drafter_kd_loss, medusa_loss
+from hybrid_train.model import save_hybrid
+from hybrid_train.teacher import load_tokenizer
+from hybrid_train.train import Dist, TrainConfig, train
+
+
+@dataclass
+class MedusaConfig(TrainConfig):
+    base: str = ""  # HF directory, .gguf or hybrid directory
+    data: str = ""  # pseudo-labels of the base (.jsonl)
+    eval_data: str | None = None  # held-out greedy pseudo-labels: accuracy per head in out/report.json
+    num_heads: int = 4
+    num_layers: int = 1  # ResBlocks per head
+    decay: float = 0.8  # lambda_k = decay^k
+    lr: float = 1e-3
+
+
+@dataclass
+class Medusa2Config(MedusaConfig):
+    init_heads: str | None = None  # a medusa/ directory (Medusa-1's) to start the heads from
+    heads_warmup: int = 0  # steps that train the heads alone before the backbone joins
+    backbone_lr: float = 2.5e-4  # the paper's heads lr is 4x the backbone's
+    lambda0: float = 0.2  # loss = KL(original || backbone) + lambda0 * Medusa-1 loss
+    freeze: list | None = None  # backbone parameter-name components kept frozen
+
+
+@dataclass
+class ReDrafterConfig(TrainConfig):
+    base: str = ""
+    data: str = ""  # greedy pseudo-labels of the base (.jsonl)
+    eval_data: str | None = None
+    draft_steps: int = 4  # T, tokens drafted after the base's own (beam_length T + 1)
+    exit_dim: int | None = None  # default 2 * hidden (no input_proj)
+    num_draft_layers: int = 2
+    rnn: bool = True
+    beam_width: int = 4  # the runtime's default beam, written to config.json
+    lr: float = 1e-3
+
+
+def _check(cfg):
+    for name in ("base", "data"):
+        if not getattr(cfg, name):
+            raise TrainError(f"config: '{name}' is required")
+    if getattr(cfg, "num_heads", 1) < 1 or getattr(cfg, "draft_steps", 1) < 1:
+        raise TrainError("config: num_heads and draft_steps must be at least 1")
+
+
+def _dtype(env: Dist):
+    return torch.bfloat16 if env.device.type == "cuda" else torch.float32
+
+
+def _report(cfg, env: Dist, method: str, base, examples: int, began: float, **module):
+    """out/report.json: settings, seconds, and the held-out top-1 accuracy per head / drafted step."""
+    if not env.main:
+        return
+    report = {"method": method, "base": cfg.base, "train_examples": examples, "train_seconds": round(time.time() - began, 1),
+              "config": asdict(cfg)}
+    if cfg.eval_data:
+        began = time.time()
+        held = examples_from(cfg.eval_data, cfg.seq_len)
+        with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
+            report["heldout"] = top1_accuracy(base, held, env.device, **module)
+        report["eval_seconds"] = round(time.time() - began, 1)
+    tmp = Path(cfg.out) / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, Path(cfg.out) / "report.json")
+
+
+def _medusa_batch(batch, num_heads: int):
+    labels = batch["labels"]
+    masks = [ahead_mask(labels, k) for k in range(1, num_heads + 1)]
+    return masks, [labels[:, k:][m] for k, m in enumerate(masks, 1)]
+
+
+def medusa(cfg: MedusaConfig, resume: bool = False):
+    """Medusa-1: heads on a frozen base."""
+    _check(cfg)
+    env = Dist()
+    base = load_base(cfg.base, _dtype(env), env.device)
+    examples = examples_from(cfg.data, cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers)
+
+    def loss_fn(model, batch):
+        masks, targets = _medusa_batch(batch, cfg.num_heads)
+        with torch.no_grad():
+            h = hidden_states(base, batch["input_ids"])
+        return medusa_loss(model(h, masks), targets, cfg.decay)
+
+    began = time.time()
+    heads = train(cfg, heads, examples, loss_fn, resume, env, label=f"medusa-1 ({cfg.num_heads} heads)")
+    if env.main:
+        save_heads(heads, heads.config(), Path(cfg.out) / "medusa")
+    _report(cfg, env, "medusa-1", base, len(examples), began, medusa=heads)
+    env.barrier()
+
+
+def medusa2(cfg: Medusa2Config, resume: bool = False):
+    """Medusa-2: heads and backbone together, against a frozen copy of the original."""
+    _check(cfg)
+    env = Dist()
+    original = load_base(cfg.base, _dtype(env), env.device)
+    examples = examples_from(cfg.data, cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    backbone = load_base(cfg.base)  # float32 weights to train
+    for name, p in backbone.named_parameters():
+        p.requires_grad_(not any(part in name.split(".") for part in cfg.freeze or []))
+    heads = MedusaHeads.for_base(backbone, cfg.num_heads, cfg.num_layers)
+    if cfg.init_heads:
+        config = json.loads((Path(cfg.init_heads) / "config.json").read_text())
+        if (config["medusa_num_heads"], config["medusa_num_layers"]) != (cfg.num_heads, cfg.num_layers):
+            raise TrainError(f"{cfg.init_heads} holds {config['medusa_num_heads']} heads of {config['medusa_num_layers']} "
+                             f"layers, the config asks for {cfg.num_heads} of {cfg.num_layers}")
+        heads.load_state_dict(load_file(str(Path(cfg.init_heads) / "model.safetensors")))
+    model = MedusaLM(backbone, heads)
+    groups = [{"params": list(heads.parameters()), "lr": cfg.lr},
+              {"params": [p for p in backbone.parameters() if p.requires_grad], "lr": cfg.backbone_lr, "delay": cfg.heads_warmup}]
+
+    def loss_fn(model, batch):
+        masks, targets = _medusa_batch(batch, cfg.num_heads)
+        with torch.no_grad():
+            reference = original(input_ids=batch["input_ids"], use_cache=False).logits
+        logits, head_logits = model(batch["input_ids"], masks)
+        kl, _ = distill_loss(logits, reference, batch["labels"], alpha=0.0, beta=1.0)  # KL(original || backbone)
+        heads_loss, parts = medusa_loss(head_logits, targets, cfg.decay)
+        return kl + cfg.lambda0 * heads_loss, {"kl": kl.detach(), **parts}
+
+    began = time.time()
+    model = train(cfg, model, examples, loss_fn, resume, env, label=f"medusa-2 ({cfg.num_heads} heads)", groups=groups)
+    if env.main:
+        save_hybrid(model.base, Path(cfg.out) / "model", load_tokenizer(cfg.base))
+        save_heads(model.heads, model.heads.config(), Path(cfg.out) / "model" / "medusa")
+    _report(cfg, env, "medusa-2", model.base, len(examples), began, medusa=model.heads)
+    env.barrier()
+
+
+def redrafter(cfg: ReDrafterConfig, resume: bool = False):
+    """ReDrafter: a recurrent drafter distilled from the frozen base."""
+    _check(cfg)
+    env = Dist()
+    base = load_base(cfg.base, _dtype(env), env.device)
+    embed = base.get_input_embeddings()
+    examples = examples_from(cfg.data, cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    drafter = Drafter.for_base(base, cfg.exit_dim, cfg.num_draft_layers, cfg.rnn)
+
+    def loss_fn(model, batch):
+        ids, labels = batch["input_ids"], batch["labels"]
+        masks = [ahead_mask(labels, j) for j in range(1, cfg.draft_steps + 1)]
+        with torch.no_grad():
+            h = hidden_states(base, ids)
+            logits = base.lm_head(h)  # the base's distribution at t+j is step j's target at t
+            targets = [logits[:, j:][m] for j, m in enumerate(masks, 1)]
+            e = embed(ids)
+        return drafter_kd_loss(model(h, e, masks), targets)
+
+    began = time.time()
+    drafter = train(cfg, drafter, examples, loss_fn, resume, env, label=f"redrafter ({cfg.draft_steps} steps)")
+    if env.main:
+        save_heads(drafter, drafter.config(cfg.beam_width, cfg.draft_steps + 1), Path(cfg.out) / "redrafter")
+    _report(cfg, env, "redrafter", base, len(examples), began, drafter=drafter, steps=cfg.draft_steps)
+    env.barrier()
+
+
+HEAD_STAGES = {
+    "medusa": (medusa, MedusaConfig),
+    "medusa2": (medusa2, Medusa2Config),
+    "redrafter": (redrafter, ReDrafterConfig),
+}

@@ -1,0 +1,112 @@
+"""The heads run: self-distillation data from a base model, Medusa-1 heads and a ReDrafter drafter
+trained on it, and their top-1 accuracy per head / drafted step on held-out continuations.
+
+    python train_cuda/scripts/real_heads.py --base BASE --corpus CORPUS_DIR --out OUT [--tiny] [--resume]
+
+BASE: a Hugging Face Llama/Mistral directory, a .gguf file (converted once into OUT/base; needs the
+gguf and accelerate packages) or an exported hybrid directory. CORPUS_DIR: train.txt and
+heldout.txt, one document a line (scripts/fetch_corpus.py). The base answers prompts from both
+files greedily (`pseudo-labels`); `medusa` and `redrafter` train on the train.txt answers and
+measure accuracy on the held-out ones. Each stage runs as its own `python -m hybrid_train` command
+from a config in OUT/configs/ (settings: configs/real_heads.yaml; --tiny shrinks them for a CPU
+test). A finished stage is skipped, so a killed run restarted with --resume goes on where it
+stopped. Results: OUT/report.json; heads in OUT/medusa1/medusa/ and OUT/redrafter/redrafter/
+(copy them into BASE's model directory as medusa/ and redrafter/, or pass their paths).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from real_run import make_prompts  # noqa: E402
+
+SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
+TINY = {  # sizes for the CPU test of this script
+    "prompts": {"max_prompts": 8},
+    "heldout": {"max_prompts": 4},
+    "pseudo-labels": {"max_new_tokens": 16, "batch_size": 4},
+    "medusa": {"num_heads": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+    "redrafter": {"draft_steps": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+}
+
+
+def stage(kind: str, name: str, cfg: dict, out: Path, resume: bool, timings: dict):
+    path = out / "configs" / f"{name}.json"
+    path.write_text(json.dumps(cfg, indent=1) + "\n")
+    cmd = [sys.executable, "-m", "hybrid_train", kind, "--config", str(path)] + (["--resume"] if resume else [])
+    began = time.time()
+    subprocess.run(cmd, check=True, cwd=HERE.parent)
+    timings[name] = round(time.time() - began, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", required=True)
+    parser.add_argument("--corpus", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    settings = yaml.safe_load(SETTINGS.read_text())
+    if args.tiny:
+        for section, values in TINY.items():
+            settings[section].update(values)
+    out = args.out.resolve()
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    began = time.time()
+
+    base = Path(args.base).resolve()
+    if base.suffix == ".gguf":  # dequantized once, not in every stage
+        hf = out / "base"
+        if not (hf / "config.json").is_file():
+            t = time.time()
+            subprocess.run([sys.executable, "-m", "hybrid_train", "gguf-to-hf", str(base), str(hf)], check=True, cwd=HERE.parent)
+            timings["gguf-to-hf"] = round(time.time() - t, 1)
+        base = hf
+
+    labels = {}
+    for name, text in (("prompts", "train.txt"), ("heldout", "heldout.txt")):
+        p = settings[name]
+        prompts = out / f"{name}.txt"
+        prompts.write_text("\n".join(make_prompts(args.corpus / text, p["sentences"], p["stride"], p["max_prompts"])) + "\n")
+        labels[name] = out / f"{name}.jsonl"
+        if not labels[name].is_file():
+            cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(prompts), out=str(labels[name]))
+            stage("pseudo-labels", f"pseudo-labels-{name}", cfg, out, False, timings)
+
+    reports = {}
+    for kind, name in (("medusa", "medusa1"), ("redrafter", "redrafter")):
+        report = out / name / "report.json"
+        if not report.is_file():
+            cfg = dict(settings[kind], base=str(base), data=str(labels["prompts"]), eval_data=str(labels["heldout"]),
+                       out=str(out / name))
+            stage(kind, name, cfg, out, args.resume, timings)
+        reports[name] = json.loads(report.read_text())
+
+    def count(path):
+        return len(path.read_text().splitlines())
+
+    report = {
+        "base": str(args.base),
+        "corpus": str(args.corpus),
+        "train_sequences": count(labels["prompts"]),
+        "heldout_sequences": count(labels["heldout"]),
+        "medusa1": reports["medusa1"]["heldout"],
+        "redrafter": reports["redrafter"]["heldout"],
+        "seconds": dict(timings, total=round(time.time() - began, 1)),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
