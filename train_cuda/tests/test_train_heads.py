@@ -10,7 +10,7 @@
 - pseudo-labels of a hybrid base are its own greedy continuations, and heads train on it.
 
 Tolerance: logits ~1-10 in magnitude, torch float32 vs MLX float32 (different summation orders):
-ATOL 1e-4 (measured max |diff| <= 2e-6).
+ATOL 1e-4 (measured max |diff| 1.7e-6 for heads, 3.3e-6 for the drafter, logits up to ~8).
 """
 
 import json
@@ -114,6 +114,12 @@ def test_stage_lowers_its_loss_and_reports_accuracy(tmp_path, teacher_dir, greed
         # The KL to the original is 0 before the backbone moves: it stays frozen during the heads' warm-up.
         assert losses(tmp_path / "o", "kl")[:2] == [0.0, 0.0] and losses(tmp_path / "o", "kl")[-1] > 0
         assert 0 <= report["base_top1"] <= 1  # the changed backbone's agreement with the original's greedy tokens
+        # The runtime reads the changed backbone with its heads beside it.
+        from mlx_hybrid.loader import load_model
+        from mlx_hybrid.speculative.generate import load_proposer
+
+        target = load_model(tmp_path / "o" / "model")
+        assert load_proposer("medusa", target, tmp_path / "o" / "model").heads.config.medusa_num_heads == 2
     else:
         assert report["base_top1"] == 1.0  # the data are the base's greedy continuations
 
