@@ -160,6 +160,27 @@ class Mamba2(nn.Module):
         w[d + xb : d + 2 * xb] = attn.k_proj.weight
         w[d + 2 * xb : 2 * d + 2 * xb] = attn.q_proj.weight
         self.out_proj.weight.copy_(attn.o_proj.weight)
+        # The conv starts as the identity (its tap on the current token 1, the rest 0): a random conv
+        # mixes each of x, B, C with its 3 predecessors and buries the copied V, K, Q.
+        self.conv1d.weight.zero_()
+        self.conv1d.weight[:, 0, -1] = 1
+        if self.conv1d.bias is not None:
+            self.conv1d.bias.zero_()
+
+    def calibrate(self, u: torch.Tensor, attn_out: torch.Tensor, gate: float = 3.0):
+        """Data-dependent part of the initialization, from the attention's own activations on a few
+        sequences: u (tokens, hidden) the mixer's inputs, attn_out (tokens, d_inner) its o_proj inputs.
+
+        z: every row is the mean input direction, scaled so z ~ `gate` (silu(z) > 0 on every token of
+        SmolLM2's calibration text): the gate is then one positive scalar per token and head, which
+        the per-head RMSNorm divides out, so y passes through as the attention's output would. A
+        random z multiplies each channel by a random signed factor (cosine to the attention output ~0).
+        norm.weight: the RMS of each head of the attention's output, so the normalized heads reach
+        out_proj at the scale it was trained on (weight 1 is 1.3-6.5x too large in SmolLM2)."""
+        mean = u.float().mean(0)
+        self.in_proj.weight[: self.d_inner] = (gate * mean / mean.pow(2).sum()).to(self.in_proj.weight.dtype)
+        rms = attn_out.float().reshape(-1, self.nheads, self.d_state).pow(2).mean((0, 2)).sqrt()
+        self.norm.weight.copy_(rms.repeat_interleave(self.d_state))
 
     def split(self, u: torch.Tensor):
         """z, [x, B, C] (before the conv) and dt (pre-softplus) from the fused input projection."""
@@ -290,11 +311,34 @@ def mixer_types(model) -> list[str]:
 
 
 @torch.no_grad()
-def convert_layers(model, kinds: list[str], args: HybridArgs):
+def attention_activations(model, layers: list[int], calibration: list[list[int]]) -> dict[int, tuple]:
+    """(inputs, o_proj inputs) of the attention of each of `layers`, as (tokens, features) tensors,
+    over the calibration sequences (token id lists, run one by one: no padding in the statistics)."""
+    got = {i: ([], []) for i in layers}
+    hooks = []
+    for i in layers:
+        attn = model.model.layers[i].self_attn
+        hooks.append(attn.register_forward_pre_hook(
+            lambda m, a, kw, i=i: got[i][0].append(kw.get("hidden_states", a[0] if a else None)[0].cpu()), with_kwargs=True))
+        hooks.append(attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: got[i][1].append(a[0][0].cpu())))
+    device = next(model.parameters()).device
+    try:
+        for ids in calibration:
+            model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: (torch.cat(u), torch.cat(o)) for i, (u, o) in got.items()}
+
+
+@torch.no_grad()
+def convert_layers(model, kinds: list[str], args: HybridArgs, calibration: list[list[int]] | None = None):
     """Give layer i the mixer kinds[i], attention-initializing every layer that changes from attention.
 
     Layers already of that kind keep their weights; a recurrent layer cannot turn back into
-    attention or into another kind. MLPs and norms stay the same modules.
+    attention or into another kind. MLPs and norms stay the same modules. With `calibration`
+    (token id lists), new Mamba2 mixers also get `Mamba2.calibrate` from the activations of the
+    attention they replace (the model's own, before conversion).
     """
     current = mixer_types(model)
     if len(kinds) != len(current):
@@ -307,13 +351,18 @@ def convert_layers(model, kinds: list[str], args: HybridArgs):
     if previous is not None and set(current) != {"attention"} and asdict(previous) != asdict(args):
         raise TrainError(f"SSM sizes {asdict(args)} differ from the model's {asdict(previous)}")
     for i, (old, new) in enumerate(zip(current, kinds)):
+        if old not in (new, "attention"):
+            raise TrainError(f"layer {i} is already {old}; it cannot become {new}")
+    calibrated = [i for i, (old, new) in enumerate(zip(current, kinds)) if old != new and new == "mamba2"]
+    stats = attention_activations(model, calibrated, calibration) if calibration and calibrated else {}
+    for i, (old, new) in enumerate(zip(current, kinds)):
         if old == new:
             continue
-        if old != "attention":
-            raise TrainError(f"layer {i} is already {old}; it cannot become {new}")
         layer = model.model.layers[i]
         mixer = make_mixer(new, model.config, args).to(layer.self_attn.o_proj.weight.device)
         mixer.init_from_attention(layer.self_attn)
+        if i in stats:
+            mixer.calibrate(*(t.to(layer.self_attn.o_proj.weight.device) for t in stats[i]))
         model.model.layers[i] = HybridLayer(new, mixer, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
     model.hybrid_args = args
     return model

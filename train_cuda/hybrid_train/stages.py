@@ -46,6 +46,7 @@ class PseudoLabelConfig:
 class DistillConfig(TrainConfig):
     teacher: str = ""
     data: str = ""  # pseudo-labels .jsonl
+    text: list = field(default_factory=list)  # plain-text files: blocks of seq_len added to the data, loss on every token
     init: str | None = None  # a hybrid directory to convert further (stepwise: 50% -> 25%); default the teacher
     mixer: str = "mamba2"  # mamba, mamba2 or dsla
     attention: dict = field(default_factory=lambda: {"every": 2})  # which layers keep attention (layers.py)
@@ -54,6 +55,7 @@ class DistillConfig(TrainConfig):
     alpha: float = 1.0
     beta: float = 0.1
     freeze: list = field(default_factory=lambda: ["mlp"])  # parameter-name components to freeze
+    calibrate: int = 8  # examples whose attention activations initialize new Mamba2 mixers (Mamba2.calibrate); 0: none
 
 
 @dataclass
@@ -208,13 +210,16 @@ def distill(cfg: DistillConfig, resume: bool = False):
     teacher = load_teacher(cfg.teacher, _teacher_dtype(env), env.device)
     examples = [data.example(r["prompt_ids"], r["response_ids"], cfg.seq_len)
                 for r in data.read_jsonl(cfg.data, ("prompt_ids", "response_ids"))]
+    if cfg.text:
+        examples += data.text_blocks(tokenizer, cfg.text, cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    student = load_hybrid(cfg.init) if cfg.init else load_teacher(cfg.teacher)
+    student = (load_hybrid(cfg.init) if cfg.init else load_teacher(cfg.teacher)).to(env.device)
     n = student.config.num_hidden_layers
     keep = layers.attention_layers(cfg.attention, n, _entropy_ranking(cfg, teacher, tokenizer, env))
     kinds = ["attention" if i in keep else cfg.mixer for i in range(n)]
     args = getattr(student, "hybrid_args", None) if cfg.init and not cfg.hybrid else _hybrid_args(cfg.hybrid)
-    convert_layers(student, kinds, args or HybridArgs())
+    calibration = [examples[i][0] for i in torch.randperm(len(examples))[: cfg.calibrate].tolist()]
+    convert_layers(student, kinds, args or HybridArgs(), calibration)
     _freeze(student, cfg.freeze)
 
     def loss_fn(model, batch):

@@ -91,6 +91,7 @@ def main() -> int:
         model = out / name / "model"
         if not (model / "config.json").is_file():
             cfg = dict(settings[name], teacher=str(teacher), data=str(labels), out=str(out / name),
+                       text=[str(args.corpus / t) for t in settings[name].get("text", [])],
                        hybrid={"d_state": head_dim}, init=previous)
             stage(name, cfg, out, args.resume, timings)
         previous = str(model)
