@@ -127,10 +127,11 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict):
-    torch.set_rng_state(state["torch"])
+    # A checkpoint loaded with map_location on a GPU brings the RNG states there; torch wants them on the CPU.
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _trim_metrics(path: Path, upto: int):
