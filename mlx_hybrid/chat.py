@@ -18,16 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_hybrid.adaptive import ConversionPolicy, Plan, cache_nbytes, is_adaptive
 from mlx_hybrid.cache import trim_cache
-from mlx_hybrid.generate import GenerationResponse, SamplingParams, context_limit, stream_generate
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from mlx_hybrid.generate import GenerationResponse, SamplingParams, common_prefix, context_limit, stream_generate
 
 
 class ChatSession:
@@ -78,7 +69,7 @@ class ChatSession:
     ) -> Iterator[GenerationResponse]:
         """Stream the assistant's reply to text. Closing the iterator early keeps the partial reply."""
         prompt = self.render(self.messages + [{"role": "user", "content": text}])
-        keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         if self.policy:
             limit = self.context_limit
             self.plan = self.policy.plan(len(prompt), min(max_tokens, limit - len(prompt)) if limit else max_tokens)

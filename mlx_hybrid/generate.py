@@ -111,6 +111,18 @@ def generate_step(
                 token, logprobs = next_token, next_logprobs
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (what a cache can keep)."""
+    if len(a) <= len(b) and b[: len(a)] == a:
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def context_limit(model: nn.Module) -> int | None:
     return getattr(model.args, "max_position_embeddings", None)
 

@@ -12,19 +12,8 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import SamplingParams, prefill
+from mlx_hybrid.generate import SamplingParams, common_prefix, prefill
 from mlx_hybrid.speculative.accept import Candidates, target_logprobs
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    if len(a) <= len(b) and b[: len(a)] == a:
-        return len(a)
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class DraftProposer:
@@ -61,7 +50,7 @@ class DraftProposer:
         self.fed = self.fed[:keep]
 
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
-        self._rewind(_common_prefix(self.fed, history[:-1]))
+        self._rewind(common_prefix(self.fed, history[:-1]))
         pending = history[len(self.fed) :]
         if len(pending) > 32:  # a prompt: in chunks; a few re-read tokens go with the first draft step
             prefill(self.draft, mx.array(pending[:-1]), self.cache)
