@@ -25,7 +25,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_run import make_prompts  # noqa: E402
+from real_run import make_prompts, stage  # noqa: E402
 
 SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
 TINY = {  # sizes for the CPU test of this script
@@ -35,15 +35,6 @@ TINY = {  # sizes for the CPU test of this script
     "medusa": {"num_heads": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "redrafter": {"draft_steps": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
 }
-
-
-def stage(kind: str, name: str, cfg: dict, out: Path, resume: bool, timings: dict):
-    path = out / "configs" / f"{name}.json"
-    path.write_text(json.dumps(cfg, indent=1) + "\n")
-    cmd = [sys.executable, "-m", "hybrid_train", kind, "--config", str(path)] + (["--resume"] if resume else [])
-    began = time.time()
-    subprocess.run(cmd, check=True, cwd=HERE.parent)
-    timings[name] = round(time.time() - began, 1)
 
 
 def main() -> int:
@@ -80,7 +71,7 @@ def main() -> int:
         labels[name] = out / f"{name}.jsonl"
         if not labels[name].is_file():
             cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(prompts), out=str(labels[name]))
-            stage("pseudo-labels", f"pseudo-labels-{name}", cfg, out, False, timings)
+            stage(f"pseudo-labels-{name}", cfg, out, False, timings, kind="pseudo-labels")
 
     reports = {}
     for kind, name in (("medusa", "medusa1"), ("redrafter", "redrafter")):
@@ -88,7 +79,7 @@ def main() -> int:
         if not report.is_file():
             cfg = dict(settings[kind], base=str(base), data=str(labels["prompts"]), eval_data=str(labels["heldout"]),
                        out=str(out / name))
-            stage(kind, name, cfg, out, args.resume, timings)
+            stage(name, cfg, out, args.resume, timings, kind=kind)
         reports[name] = json.loads(report.read_text())
 
     def count(path):

@@ -41,10 +41,11 @@ def make_prompts(text: Path, sentences: int, stride: int, max_prompts: int) -> l
     return prompts[:max_prompts]
 
 
-def stage(name: str, cfg: dict, out: Path, resume: bool, timings: dict):
+def stage(name: str, cfg: dict, out: Path, resume: bool, timings: dict, kind: str | None = None):
+    """Run `python -m hybrid_train KIND` (KIND defaults from the name) on cfg, timing it under name."""
     path = out / "configs" / f"{name}.json"
     path.write_text(json.dumps(cfg, indent=1) + "\n")
-    kind = "distill" if name.startswith("distill") else name
+    kind = kind or ("distill" if name.startswith("distill") else name)
     cmd = [sys.executable, "-m", "hybrid_train", kind, "--config", str(path)] + (["--resume"] if resume else [])
     began = time.time()
     subprocess.run(cmd, check=True, cwd=HERE.parent)
