@@ -22,16 +22,23 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
-def load_config(path: Path) -> dict:
+def read_config_json(path: Path, what: str = "directory") -> dict:
+    """The parsed config.json of directory `path` (a model, heads or drafter); a HybridError
+    says what is missing or malformed."""
     if not path.is_dir():
-        raise HybridError(f"model directory not found: {path}")
+        raise HybridError(f"{what} not found: {path}")
     file = path / "config.json"
     if not file.is_file():
         raise HybridError(f"no config.json in {path}")
     try:
-        config = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HybridError(f"{file} is not valid JSON ({e})") from None
+
+
+def load_config(path: Path) -> dict:
+    config = read_config_json(path, "model directory")
+    file = path / "config.json"
     kind = config.get("model_type")
     if kind not in ARCHITECTURES:
         raise HybridError(

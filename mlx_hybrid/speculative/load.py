@@ -4,27 +4,19 @@ As for models (`mlx_hybrid/loader.py`), every way a directory can be wrong ends 
 `HybridError` naming the file or tensor at fault.
 """
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.loader import DTYPES, compute_dtype, load_weights
+from mlx_hybrid.loader import DTYPES, compute_dtype, load_weights, read_config_json
 
 
 def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
     """config.json of a heads directory, checked for its model_type and required fields."""
-    if not path.is_dir():
-        raise HybridError(f"directory not found: {path}")
+    config = read_config_json(path)
     file = path / "config.json"
-    if not file.is_file():
-        raise HybridError(f"no config.json in {path}")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HybridError(f"{file} is not valid JSON ({e})") from None
     if config.get("model_type") != model_type:
         raise HybridError(f"{file}: model_type is {config.get('model_type')!r}, expected {model_type!r}")
     missing = [k for k in required if k not in config]
