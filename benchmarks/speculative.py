@@ -38,6 +38,7 @@ from run import SYNTHETIC, device_description, make_synthetic, slugify, update_r
 
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
+from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
 
 
@@ -145,7 +146,7 @@ def runners(target_dir: Path, ours, k: int, beam: tuple[int, int]):
     out = {"mlx-hybrid plain": ours_plain, "mlx-lm plain": lm_plain}
     for method in ("medusa", "redrafter", "draft"):
         if (target_dir / method).is_dir():
-            proposer = load_proposer(method, ours, target_dir, num_draft=k, beam_width=beam[0], beam_length=beam[1])
+            proposer = load_proposer(method, ours, target_dir, num_draft=k, settings=Settings(*beam))
             out[f"mlx-hybrid {method}"] = spec(proposer)
     if lm_draft is not None:
         out["mlx-lm draft"] = lm_spec

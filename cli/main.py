@@ -23,6 +23,7 @@ MODEL_HELP = "Model directory (config.json, *.safetensors, tokenizer). Default: 
 
 
 def _load(model_dir: Optional[Path]):
+    """(model, tokenizer, its directory): model_dir, or the embedded default model's."""
     from mlx_hybrid.loader import load
 
     if model_dir is None:
@@ -37,7 +38,7 @@ def _load(model_dir: Optional[Path]):
             except FileNotFoundError as e:
                 raise HybridError(str(e)) from None
     with err.status(f"Loading {model_dir} ..."):
-        return load(model_dir)
+        return (*load(model_dir), model_dir)
 
 
 def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
@@ -60,13 +61,24 @@ def _stats(r) -> str:
 
 
 def _proposer(method, target, model_dir, heads, draft_model, num_draft):
-    """The proposer --speculative asks for (None without it), its files given or beside the model."""
+    """The proposer --speculative asks for, its files given or beside the model, with this device's
+    settings (`mlx_hybrid.profiles`). Without --speculative: the method a `hybrid tune` profile
+    found fastest here, or None (plain decoding)."""
+    from mlx_hybrid.profiles import profile_choice, settings_for
+
     if method is None:
-        return None
+        method = profile_choice(model_dir)
+        if method is None:
+            return None
     from mlx_hybrid.speculative.generate import load_proposer
 
+    settings = settings_for(method, model_dir) if method in ("medusa", "redrafter") else None
     with err.status(f"Loading the {method} speculator ..."):
-        return load_proposer(method, target, model_dir, draft_model if method == "draft" else heads, num_draft=num_draft)
+        path = draft_model if method == "draft" else heads
+        proposer = load_proposer(method, target, model_dir, path, num_draft=num_draft, settings=settings)
+    if settings is not None:
+        err.print(f"[dim]speculation: {settings.describe(method)}[/]")
+    return proposer
 
 
 # Shared sampling options (typer reads defaults from these).
@@ -77,7 +89,9 @@ MinP = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top 
 RepPenalty = typer.Option(None, "--repetition-penalty", help="Penalize the last 20 tokens (> 1 discourages repeats).")
 Seed = typer.Option(None, "--seed", help="Random seed for sampling.")
 Speculative = typer.Option(
-    None, "--speculative", help="Speculative decoding: medusa, redrafter or draft (files in MODEL/<method> or given by path)."
+    None, "--speculative",
+    help="Speculative decoding: medusa, redrafter or draft (files in MODEL/<method> or given by path). "
+    "Default: what `hybrid tune` found fastest on this device, else none.",
 )
 Heads = typer.Option(None, "--heads", help="Medusa heads or ReDrafter drafter directory. Default: MODEL/medusa, MODEL/redrafter.")
 DraftModel = typer.Option(None, "--draft-model", help="Draft model directory for --speculative draft. Default: MODEL/draft.")
@@ -120,7 +134,7 @@ def chat(
     if max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {max_tokens}")
     budget = None if memory_budget is None else parse_budget(memory_budget)
-    loaded, tokenizer = _load(model)
+    loaded, tokenizer, model = _load(model)
     proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
     session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, proposer=proposer)
     try:
@@ -196,7 +210,7 @@ def generate(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise HybridError("the prompt is empty")
-    loaded, tokenizer = _load(model)
+    loaded, tokenizer, model = _load(model)
     if not raw:
         session = ChatSession(loaded, tokenizer, system=system)
         prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
@@ -253,6 +267,57 @@ def convert(
         with err.status("Verifying against the PyTorch source ..."):
             result = verify_conversion(open_checkpoint(src), dst)
         out.print(f"verify: {result}", markup=False, soft_wrap=True)
+
+
+@app.command()
+def tune(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    method: str = typer.Option("all", "--method", help="redrafter, medusa, or all of those beside the model."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts, one a line. Default: shipped news prompts."),
+    new_tokens: int = typer.Option(48, "--new-tokens", help="Greedy tokens generated per prompt."),
+    max_width: int = typer.Option(8, "--max-width", help="Widest ReDrafter beam tried."),
+    max_length: int = typer.Option(6, "--max-length", help="Longest ReDrafter beam tried (tokens, root included)."),
+):
+    """Measure verification cost and draft acceptance here, save the fastest speculation settings."""
+    from rich.progress import Progress
+
+    from mlx_hybrid.profiles import profile_path, save_profile
+    from mlx_hybrid.tune import WIDTHS, calibration_prompts, plot
+    from mlx_hybrid.tune import tune as run_tune
+
+    if method not in ("redrafter", "medusa", "all"):
+        raise HybridError(f"--method must be redrafter, medusa or all, got '{method}'")
+    texts = calibration_prompts(prompts)
+    loaded, tokenizer, model = _load(model)
+    methods = [m for m in ("redrafter", "medusa") if method in (m, "all") and (Path(model) / m).is_dir()]
+    if not methods:
+        raise HybridError(f"nothing to tune: no {'medusa/ or redrafter/' if method == 'all' else method + '/'} directory in {model}")
+    if new_tokens < max_length or max_width < 1 or max_length < 2:
+        raise HybridError("need --max-width >= 1, --max-length >= 2 and --new-tokens >= --max-length")
+    widths = [w for w in WIDTHS if w <= max_width] or [1]
+    with Progress(console=err, transient=True) as bar:
+        tasks = {}
+
+        def progress(stage, done, total):
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        profile = run_tune(loaded, tokenizer, model, texts, methods, new_tokens, widths, max_length, progress=progress)
+    path = profile_path(model)
+    save_profile(profile, path)
+    out.print(f"plain decoding: {profile['plain_tps']:.1f} tok/s on {profile['device']}", markup=False)
+    for m in profile["measured"][1:]:
+        what = f"beam {m['beam_width']}x{m['beam_length']}" if "beam_width" in m else (
+            f"tree of {len(m['medusa_choices'])}" if "medusa_choices" in m else "")
+        out.print(f"{m['method']:>9} {m['kind']:<9} {what:<14} {m['tps']:.1f} tok/s ({m['tps'] / profile['plain_tps']:.2f}x)", markup=False)
+    choice = profile["choice"] or "plain decoding"
+    out.print(f"fastest: {choice}; profile {path}", markup=False)
+    try:
+        plot(profile, path.with_suffix(".png"))
+        out.print(f"plot {path.with_suffix('.png')}", markup=False)
+    except ImportError:
+        out.print("plot skipped: pip install matplotlib", markup=False)
 
 
 def main():

@@ -48,10 +48,10 @@ def load_proposer(
     model_dir: str | Path | None = None,
     path: str | Path | None = None,
     num_draft: int = 4,
-    beam_width: int | None = None,
-    beam_length: int | None = None,
+    settings=None,
 ):
-    """The proposer for method, its files at path or else in model_dir's subdirectory for it."""
+    """The proposer for method, its files at path or else in model_dir's subdirectory for it;
+    settings (`mlx_hybrid.profiles.Settings`): the beam or tree to use instead of the defaults."""
     if method not in METHODS:
         raise HybridError(f"unknown speculative method '{method}' (choose from {', '.join(METHODS)})")
     if path is None:
@@ -62,12 +62,20 @@ def load_proposer(
             raise HybridError(f"no {SUBDIRS[method]}/ directory in {model_dir}; give its path")
     if method == "medusa":
         from mlx_hybrid.speculative.medusa import MedusaProposer, load_medusa
+        from mlx_hybrid.speculative.tree import MedusaTree
 
-        return MedusaProposer(load_medusa(path, target))
+        heads = load_medusa(path, target)
+        tree = None
+        if settings is not None and settings.medusa_choices:
+            tree = MedusaTree(settings.medusa_choices)
+        elif settings is not None and settings.tree_size:
+            tree = heads.tree_of_size(settings.tree_size)
+        return MedusaProposer(heads, tree)
     if method == "redrafter":
         from mlx_hybrid.speculative.redrafter import ReDrafterProposer, load_redrafter
 
-        return ReDrafterProposer(load_redrafter(path, target), target, beam_width, beam_length)
+        width, length = (settings.beam_width, settings.beam_length) if settings is not None else (None, None)
+        return ReDrafterProposer(load_redrafter(path, target), target, width, length)
     from mlx_hybrid.loader import load_model
     from mlx_hybrid.speculative.draft import DraftProposer
 

@@ -17,8 +17,9 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import SamplingParams, generate_step, prefill
+from mlx_hybrid.generate import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates
+from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
 from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths, expected_length, greedy_paths
 
@@ -33,6 +34,7 @@ class MedusaConfig:
     hidden_size: int
     vocab_size: int
     medusa_choices: list | None = None
+    head_accuracies: list | None = None  # written by `calibrate`
 
     @classmethod
     def from_dict(cls, config: dict) -> "MedusaConfig":
@@ -73,6 +75,13 @@ class MedusaHeads(nn.Module):
         k = self.config.medusa_num_heads
         return MedusaTree(cartesian_paths(list(DEFAULT_TOPK[:k]) + [1] * max(0, k - len(DEFAULT_TOPK))))
 
+    def tree_of_size(self, size: int) -> MedusaTree:
+        """A tree of size candidates: the greedy sparse tree from the calibrated accuracies, else
+        the first size nodes of the default tree (breadth first, so every prefix stays in)."""
+        if self.config.head_accuracies:
+            return MedusaTree(greedy_paths(np.array(self.config.head_accuracies)[: self.config.medusa_num_heads], size))
+        return MedusaTree(self.default_tree().paths[:size])
+
 
 def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -> MedusaHeads:
     path = Path(path)
@@ -109,27 +118,19 @@ class MedusaProposer:
         return Candidates(flat[self.tree.token_index], self.tree.parents, tree=self.tree.tree)
 
 
-def head_accuracies(model: nn.Module, heads: MedusaHeads, prompts: list[list[int]], new_tokens: int = 64, topk: int = 10):
+def head_accuracies(heads: MedusaHeads, runs: list[GreedyRun], topk: int = 10) -> np.ndarray:
     """accuracies[h][k]: how often head h's rank-k token is the target's own greedy continuation,
-    over the target's greedy continuations of prompts (Medusa section 3.3.1)."""
+    over the target's greedy runs (`calibration.greedy_runs`; Medusa section 3.3.1)."""
     K = heads.config.medusa_num_heads
     hits, counts = np.zeros((K, topk)), np.zeros(K)
-    for prompt in prompts:
-        cont = [t for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=new_tokens)]
-        seq = prompt + cont
-        cache = model.make_cache()
-        prefill(model, mx.array(seq[: len(prompt) - 1]), cache)
-        _, hidden = model(mx.array(seq[len(prompt) - 1 :])[None], cache, return_hidden=True)
-        logits = heads(hidden[0])  # (K, n, V): position t of seq[len(prompt)-1+t:]
-        ranks = mx.argsort(-logits, axis=-1)[..., :topk]
-        ranks = np.array(ranks)
-        start = len(prompt) - 1
+    for run in runs:
+        ranks = np.array(mx.argsort(-heads(run.hidden), axis=-1)[..., :topk])  # (K, n, topk)
         for h in range(K):
             for t in range(ranks.shape[1]):
-                target = start + t + h + 2
-                if target < len(seq):
+                target = run.start + t + h + 2
+                if target < len(run.tokens):
                     counts[h] += 1
-                    hit = np.flatnonzero(ranks[h, t] == seq[target])
+                    hit = np.flatnonzero(ranks[h, t] == run.tokens[target])
                     if hit.size:
                         hits[h, hit[0]] += 1
     return hits / np.maximum(counts, 1)[:, None]
@@ -140,7 +141,7 @@ def calibrate(model: nn.Module, heads_dir: str | Path, prompts: list[list[int]],
     store it (with the accuracies) in the heads' config.json; returns what was written."""
     heads_dir = Path(heads_dir)
     heads = load_medusa(heads_dir, model)
-    acc = head_accuracies(model, heads, prompts, new_tokens, topk)
+    acc = head_accuracies(heads, greedy_runs(model, prompts, new_tokens), topk)
     paths = greedy_paths(acc, num_nodes)
     config = json.loads((heads_dir / "config.json").read_text())
     config.update(medusa_choices=paths, head_accuracies=acc.round(6).tolist())

@@ -70,25 +70,34 @@ class Drafter(nn.Module):
             x = layer(x)
         return x
 
-    def beam_search(self, h: mx.array, root: int, embed: nn.Embedding, width: int, length: int) -> mx.array:
-        """The `width` most likely continuations of root, each `length` tokens with root first."""
-        V = self.config.vocab_size
-        beams = mx.array([[root]])
-        state = mx.zeros((1, self.config.hidden_size), h.dtype)
-        scores = mx.zeros((1,))
+    def beam_search(self, h: mx.array, roots: mx.array, embed: nn.Embedding, width: int, length: int) -> list[mx.array]:
+        """Beam search from a batch of roots (B,) and hidden states h (B, hidden): the beams after
+        each step, [(B, width, 2), ..., (B, width, length)], root first, best beam first.
+
+        A search stops nowhere early, so its first l tokens are exactly a length-l search's; the
+        tuner reads every length from one search."""
+        V, B = self.config.vocab_size, roots.shape[0]
+        beams = roots.reshape(B, 1, 1)
+        state = mx.zeros((B, 1, self.config.hidden_size), h.dtype)
+        scores = mx.zeros((B, 1))
+        h = h[:, None]
+        steps = []
         for _ in range(length - 1):
-            state = self.step(state, embed(beams[:, -1]))
+            state = self.step(state, embed(beams[..., -1]))
             logp = nn.log_softmax(self.logits(h, state).astype(mx.float32), axis=-1)
-            total = (scores[:, None] + logp).reshape(-1)
-            k = min(width, total.size)
-            best = mx.argpartition(-total, k - 1)[:k]
-            best = best[mx.argsort(-total[best])]
+            total = (scores[..., None] + logp).reshape(B, -1)
+            k = min(width, total.shape[-1])
+            best = mx.argpartition(-total, k - 1, axis=-1)[:, :k]
+            best = mx.take_along_axis(best, mx.argsort(-mx.take_along_axis(total, best, axis=-1), axis=-1), axis=-1)
             origin, token = best // V, best % V
-            beams = mx.concatenate([beams[origin], token[:, None]], axis=1)
-            state, scores = state[origin], total[best]
-        if beams.shape[0] < width:  # a vocabulary smaller than the width: repeat the best beam
-            beams = mx.concatenate([beams, mx.repeat(beams[:1], width - beams.shape[0], axis=0)])
-        return beams
+            beams = mx.concatenate([mx.take_along_axis(beams, origin[..., None], axis=1), token[..., None]], axis=-1)
+            state = mx.take_along_axis(state, origin[..., None], axis=1)
+            scores = mx.take_along_axis(total, best, axis=-1)
+            out = beams
+            if k < width:  # a vocabulary smaller than the width: repeat the best beam
+                out = mx.concatenate([beams, mx.repeat(beams[:, :1], width - k, axis=1)], axis=1)
+            steps.append(out)
+        return steps
 
     def sample(self, h: mx.array, root: int, embed: nn.Embedding, width: int, length: int, sampling: SamplingParams):
         """`width` independent draws of length-1 tokens after root, and the distributions they
@@ -128,7 +137,8 @@ class ReDrafterProposer:
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
         root = history[-1]
         if sampling.temp == 0:
-            beams = np.array(self.drafter.beam_search(hidden, root, self.embed, self.width, self.length))
+            beams = self.drafter.beam_search(hidden[None], mx.array([root]), self.embed, self.width, self.length)
+            beams = np.array(beams[-1][0])
             packed = pack_beams(beams)
             return Candidates(packed.tokens, packed.parents)
         beams, logq = self.drafter.sample(hidden, root, self.embed, self.width, self.length, sampling)

@@ -177,6 +177,7 @@ def _mlx_target(teacher_dir):
 
 def test_medusa_export_in_the_mlx_runtime(tmp_path, teacher_dir, greedy):
     from mlx_hybrid.generate import generate_step
+    from mlx_hybrid.speculative.calibration import greedy_runs
     from mlx_hybrid.speculative.medusa import head_accuracies, load_medusa
 
     base = load_teacher(teacher_dir)
@@ -193,7 +194,7 @@ def test_medusa_export_in_the_mlx_runtime(tmp_path, teacher_dir, greedy):
     # state's own next token, on the target's greedy continuations) equal the ones measured here.
     tok = load_tokenizer(teacher_dir)
     prompts = [tok(s, add_special_tokens=True).input_ids for s in SENTENCES[:3]]
-    acc = head_accuracies(target, loaded, prompts, new_tokens=12, topk=1)[:, 0]
+    acc = head_accuracies(loaded, greedy_runs(target, prompts, 12), topk=1)[:, 0]
     conts = [[t for t, _ in generate_step(mx.array(p), target, target.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=12)]
              for p in prompts]
     from hybrid_train.data import example

@@ -1,0 +1,264 @@
+"""`hybrid tune`: the speculation settings that are fastest for one model on this device.
+
+A speculative step costs one verification pass over n candidate tokens plus the drafting, and
+yields T tokens; how fast the pass grows with n depends on the device (ReDrafter section 4.2:
+beam width 1 was best on an M1 Max, 3-4 on an M2 Ultra). The tuner measures, here:
+
+1. the verification cost t(n): one target pass over n candidates after a chat-sized context, as a
+   chain and as a branching tree (the tree mask takes a different attention path);
+2. acceptance: the target's greedy runs over calibration prompts (`calibration.greedy_runs`) give,
+   for every ReDrafter beam width x length, the accepted drafts per step and the candidates left
+   after prefix de-duplication, and for Medusa the head accuracies, from which the greedy sparse
+   tree of each size has a known expected length (Medusa section 3.3.1);
+3. the drafting cost of each setting;
+
+predicts tokens/s = T / (t(n) + drafting) for every setting, then runs the best predicted settings,
+the defaults and plain decoding end to end on the prompts and keeps the fastest measured (so host
+overheads the model leaves out cannot pick a loser). The result is a profile
+(`mlx_hybrid.profiles`) that chat and generate use from then on, and a plot of the curves.
+"""
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from statistics import median
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_hybrid.cache import accept_path
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generate import SamplingParams, generate_step, prefill
+from mlx_hybrid.profiles import Settings, device_name, model_key
+from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
+from mlx_hybrid.speculative.generate import load_proposer, speculative_steps
+from mlx_hybrid.speculative.tree import Tree, expected_length, greedy_paths
+
+COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+WIDTHS = (1, 2, 3, 4, 6, 8)
+MAX_LENGTH = 6
+TREE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+PROMPTS_FILE = Path(__file__).parent / "data" / "lee_prompts.txt"
+
+
+def calibration_prompts(path: str | Path | None = None) -> list[str]:
+    """Prompts, one a line: path, or the first half of the shipped set (the Lee corpus held-out
+    articles from gensim's PyPI wheel, two sentences each; the second half is the benchmarks')."""
+    if path is None:
+        lines = PROMPTS_FILE.read_text().splitlines()
+        return lines[: len(lines) // 2]
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise HybridError(f"cannot read prompts from {path} ({e})") from None
+    if not lines:
+        raise HybridError(f"{path} has no prompts (one a line)")
+    return lines
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: kernels for this shape
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return median(times)
+
+
+def binary_tree(n: int) -> Tree:
+    return Tree.from_parents([-1] + [(t - 1) // 2 for t in range(1, n)])
+
+
+def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None) -> dict:
+    """Seconds per verification pass over n candidates after `context` tokens: {"n", "chain", "tree"}."""
+    rng = np.random.default_rng(0)
+    V = model.args.vocab_size
+    cache = model.make_cache()
+    prefill(model, mx.array(rng.integers(0, V, context)), cache)
+    out = {"n": list(counts), "chain": [], "tree": []}
+    for i, n in enumerate(counts):
+        tokens = mx.array(rng.integers(0, V, n))[None]
+        for shape, tree in (("chain", Tree.chain(n)), ("tree", binary_tree(n))):
+
+            def run():
+                logits, hidden = model(tokens, cache, return_hidden=True, tree=tree)
+                np.array(mx.argmax(logits[0], axis=-1))  # acceptance reads the argmax on the host
+                accept_path(cache, [])  # back to the context
+
+            out[shape].append(_median_seconds(run, reps))
+        if progress:
+            progress(i + 1, len(counts))
+    return out
+
+
+def _cost(verify: dict, n: float, branching: bool) -> float:
+    return float(np.interp(n, verify["n"], verify["tree" if branching else "chain"]))
+
+
+def _tokens_per_second(model, proposer, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s over prompts (time from each prompt's first token to its last)."""
+    total, seconds = 0, 0.0
+    for prompt in prompts:
+        steps = (
+            ((t,) for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=new_tokens))
+            if proposer is None
+            else (new for new, _ in speculative_steps(model, proposer, prompt, model.make_cache(), SamplingParams()))
+        )
+        n, tic = 0, None
+        for new in steps:
+            if tic is None:
+                tic = time.perf_counter()
+            n += len(new)
+            if n >= new_tokens:
+                break
+        seconds += time.perf_counter() - tic
+        total += n - 1
+    return total / seconds
+
+
+def _measure(model, model_dir, method, settings, prompts, new_tokens) -> float:
+    proposer = None if method is None else load_proposer(method, model, model_dir, settings=settings)
+    _tokens_per_second(model, proposer, prompts[:1], 8)  # warm-up
+    return _tokens_per_second(model, proposer, prompts, new_tokens)
+
+
+def tune(
+    model: nn.Module,
+    tokenizer,
+    model_dir: str | Path,
+    prompts: list[str],
+    methods: list[str],
+    new_tokens: int = 48,
+    widths=WIDTHS,
+    max_length: int = MAX_LENGTH,
+    tree_sizes=TREE_SIZES,
+    counts=COUNTS,
+    validate: int = 2,
+    progress=None,
+) -> dict:
+    """Measure, predict and validate (module docstring); returns the profile.
+
+    progress(stage, done, total) reports each stage. validate: how many of the best predicted
+    settings per method are run end to end, besides the default."""
+    report = progress or (lambda *a: None)
+    ids = [tokenizer.encode(p) for p in prompts]
+    model_dir = Path(model_dir)
+    profile = {"device": device_name(), "model": str(model_dir.resolve()), "model_key": model_key(model_dir),
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "mlx": mx.__version__, "new_tokens": new_tokens,
+               "prompts": len(prompts)}
+    verify = verification_cost(model, counts, progress=lambda d, t: report("verification cost", d, t))
+    profile["verification_seconds"] = verify
+    runs = greedy_runs(model, ids, new_tokens, progress=lambda d, t: report("greedy runs", d, t))
+    hidden = runs[0].hidden[0]
+    history = runs[0].tokens[: runs[0].start + 2]
+    candidates = {}  # method -> [(settings, prediction row)]
+    if "redrafter" in methods:
+        proposer = load_proposer("redrafter", model, model_dir)
+        stats = beam_acceptance(proposer.drafter, proposer.embed, runs, list(widths), max_length,
+                                progress=lambda d, t: report("beam acceptance", d, t))
+        rows = []
+        for s in stats:
+            for length, acc, cand in zip(s.lengths, s.accepted.mean(1), s.candidates.mean(1)):
+                settings = Settings(s.width, length)
+                p = load_proposer("redrafter", model, model_dir, settings=settings)
+                draft = _median_seconds(lambda: p.propose(history, hidden, SamplingParams()), 3)
+                step = _cost(verify, cand, s.width > 1) + draft
+                rows.append(dict(beam_width=s.width, beam_length=length, tokens_per_step=1 + float(acc), candidates=float(cand),
+                                 draft_seconds=draft, predicted_tps=(1 + acc) / step))
+            report("drafting cost", len(rows), len(stats) * len(stats[0].lengths))
+        default = Settings(proposer.drafter.config.beam_width, proposer.drafter.config.beam_length)
+        candidates["redrafter"] = (rows, default, lambda r: Settings(r["beam_width"], r["beam_length"]))
+    if "medusa" in methods:
+        from mlx_hybrid.speculative.medusa import head_accuracies
+
+        proposer = load_proposer("medusa", model, model_dir)
+        heads = proposer.heads
+        acc = head_accuracies(heads, runs)
+        profile["medusa_head_accuracies"] = acc.round(4).tolist()
+        rows = []
+        sizes = [s for s in tree_sizes if s <= acc.size]
+        for i, size in enumerate(sizes):
+            paths = greedy_paths(acc, size)
+            settings = Settings(medusa_choices=paths)
+            p = load_proposer("medusa", model, model_dir, settings=settings)
+            draft = _median_seconds(lambda: p.propose(history, hidden, SamplingParams()), 3)
+            per_step = expected_length(paths, acc)
+            step = _cost(verify, size + 1, p.tree.tree.mask is not None) + draft
+            rows.append(dict(tree_size=size, medusa_choices=paths, tokens_per_step=per_step, draft_seconds=draft,
+                             predicted_tps=per_step / step))
+            report("tree cost", i + 1, len(sizes))
+        candidates["medusa"] = (rows, Settings(), lambda r: Settings(medusa_choices=r["medusa_choices"]))
+
+    # End to end: plain decoding, each method's default and its best predictions.
+    todo = [("plain", None, None, None)]
+    for method, (rows, default, to_settings) in candidates.items():
+        todo.append((method, "default", default, None))
+        for r in sorted(rows, key=lambda r: -r["predicted_tps"])[:validate]:
+            todo.append((method, "predicted", to_settings(r), r))
+    measured = []
+    for i, (method, kind, settings, row) in enumerate(todo):
+        tps = _measure(model, model_dir, None if method == "plain" else method, settings, ids[:4], new_tokens)
+        entry = dict(method=method, kind=kind, tps=tps, **({k: v for k, v in asdict(settings).items() if v} if settings else {}))
+        entry.pop("source", None)
+        measured.append(entry)
+        if row is not None:
+            row["measured_tps"] = tps
+        report("end-to-end runs", i + 1, len(todo))
+    plain = measured[0]["tps"]
+    profile["plain_tps"] = plain
+    profile["measured"] = measured
+    profile["best"] = {}
+    for method, (rows, _, _) in candidates.items():
+        profile[method] = rows
+        best = max((m for m in measured if m["method"] == method), key=lambda m: m["tps"])
+        profile["best"][method] = {k: v for k, v in best.items() if k not in ("method", "kind")} | {"speedup": best["tps"] / plain}
+    fastest = max(measured, key=lambda m: m["tps"])
+    profile["choice"] = None if fastest["method"] == "plain" else fastest["method"]
+    return profile
+
+
+def plot(profile: dict, path: Path):
+    """Predicted (lines) and measured (points) tokens/s vs beam width per beam length, Medusa's vs
+    tree size, and the verification cost vs candidates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 1 + ("redrafter" in profile) + ("medusa" in profile)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6))
+    axes = np.atleast_1d(axes)
+    v = profile["verification_seconds"]
+    ax = axes[0]
+    ax.plot(v["n"], np.array(v["chain"]) * 1e3, "o-", label="chain")
+    ax.plot(v["n"], np.array(v["tree"]) * 1e3, "s--", label="tree")
+    ax.set(xlabel="candidate tokens verified", ylabel="ms per verification pass", title="verification cost")
+    ax.legend(fontsize=8)
+    k = 1
+    if "redrafter" in profile:
+        ax = axes[k]
+        k += 1
+        rows = profile["redrafter"]
+        for length in sorted({r["beam_length"] for r in rows}):
+            rs = sorted((r for r in rows if r["beam_length"] == length), key=lambda r: r["beam_width"])
+            line = ax.plot([r["beam_width"] for r in rs], [r["predicted_tps"] for r in rs], "-", label=f"BL {length}")[0]
+            pts = [r for r in rs if "measured_tps" in r]
+            ax.plot([r["beam_width"] for r in pts], [r["measured_tps"] for r in pts], "o", color=line.get_color())
+        ax.axhline(profile["plain_tps"], color="gray", ls=":", label="plain")
+        ax.set(xlabel="beam width", ylabel="tokens/s", title="ReDrafter: predicted (lines), measured (dots)")
+        ax.legend(fontsize=7, ncol=2)
+    if "medusa" in profile:
+        ax = axes[k]
+        rows = profile["medusa"]
+        ax.plot([r["tree_size"] for r in rows], [r["predicted_tps"] for r in rows], "-", label="predicted")
+        pts = [r for r in rows if "measured_tps" in r]
+        ax.plot([r["tree_size"] for r in pts], [r["measured_tps"] for r in pts], "o", label="measured")
+        ax.axhline(profile["plain_tps"], color="gray", ls=":", label="plain")
+        ax.set(xscale="log", xlabel="tree candidates", ylabel="tokens/s", title="Medusa")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{Path(profile['model']).name} on {profile['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,166 @@
+"""`hybrid tune` and speculation profiles: the batched beam search against a plain one, offline
+acceptance statistics against real speculative steps, profiles saved, reused and preset, and
+one-line errors."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from test_cli import assert_one_line_error, run
+from test_speculative_cli import model_dir  # noqa: F401  (fixture: a target with medusa/, redrafter/, draft/)
+
+from mlx_hybrid import profiles
+from mlx_hybrid.generate import SamplingParams, generate, generate_step
+from mlx_hybrid.loader import load
+from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
+from mlx_hybrid.speculative.generate import load_proposer, speculative_steps
+from mlx_hybrid.speculative.redrafter import Drafter, DrafterConfig
+from mlx_hybrid.tune import verification_cost
+
+
+def reference_beam_search(drafter, h, root, embed, width, length):
+    """One root, numpy bookkeeping, every (beam, token) extension scored: the beams after each step."""
+    beams, scores = [[root]], np.zeros(1)
+    state = mx.zeros((1, drafter.config.hidden_size))
+    out = []
+    for _ in range(length - 1):
+        state = drafter.step(state, embed(mx.array([b[-1] for b in beams])))
+        logp = np.array(nn.log_softmax(drafter.logits(h[None], state), axis=-1), np.float64)
+        total = scores[:, None] + logp
+        order = np.argsort(-total, axis=None, kind="stable")[:width]
+        origin, token = np.unravel_index(order, total.shape)
+        beams = [beams[o] + [int(t)] for o, t in zip(origin, token)]
+        state, scores = state[mx.array(origin)], total[origin, token]
+        out.append(beams)
+    return out
+
+
+def test_batched_beam_search_matches_one_root_at_a_time():
+    V, H = 11, 8
+    mx.random.seed(0)
+    drafter = Drafter(DrafterConfig(H, V, 2 * H, 1, True))
+    embed = nn.Embedding(V, H)
+    h = mx.random.normal((3, H))
+    roots = mx.array([4, 0, 9])
+    steps = drafter.beam_search(h, roots, embed, 3, 5)
+    assert [s.shape for s in steps] == [(3, 3, l) for l in range(2, 6)]
+    for b in range(3):
+        want = reference_beam_search(drafter, h[b], int(roots[b]), embed, 3, 5)
+        for got, beams in zip(steps, want):
+            assert np.array(got[b]).tolist() == beams
+
+
+def test_offline_acceptance_equals_real_speculative_steps(model_dir):  # noqa: F811
+    """The accepted drafts the tuner predicts at a position are what a ReDrafter step rooted there
+    accepts when it runs (greedy, beam 3 x 4), at every step of a real run."""
+    from mlx_hybrid.profiles import Settings
+
+    model, tokenizer = load(model_dir)
+    prompts = [tokenizer.encode(t) for t in ("The quick brown fox", "Once upon a time there")]
+    runs = greedy_runs(model, prompts, 30)
+    proposer = load_proposer("redrafter", model, model_dir, settings=Settings(3, 4))
+    stats = {s.width: s for s in beam_acceptance(proposer.drafter, proposer.embed, runs, [1, 3], 4, batch=7)}
+    s = stats[3]
+    offline = {pos: (s.accepted[2, j], s.candidates[2, j]) for j, pos in enumerate(s.positions)}
+    checked = 0
+    for r, prompt in enumerate(prompts):
+        gen = speculative_steps(model, proposer, prompt, model.make_cache(), SamplingParams())
+        first, _ = next(gen)
+        assert first == [runs[r].tokens[len(prompt)]]
+        at = len(prompt)
+        for new, acc in gen:
+            if (r, at) not in offline:
+                break
+            assert acc == offline[(r, at)][0], (r, at)
+            assert new == runs[r].tokens[at + 1 : at + 1 + len(new)]
+            checked += 1
+            at += len(new)
+    assert checked >= 10
+    assert np.all(stats[1].accepted <= 3) and np.all(stats[1].candidates[1] == 3)  # width 1: a chain
+
+
+def test_verification_cost_leaves_the_cache_as_it_was(model_dir):  # noqa: F811
+    model, _ = load(model_dir)
+    cost = verification_cost(model, counts=(1, 4), context=16, reps=1)
+    assert cost["n"] == [1, 4] and all(t > 0 for t in cost["chain"] + cost["tree"])
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_HYBRID_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_tune_cli_saves_a_profile_that_generate_uses(monkeypatch, capsys, model_dir, cache_dir):  # noqa: F811
+    code, out, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--new-tokens", 10, "--max-width", 2,
+                         "--max-length", 3)
+    assert code == 0, err
+    path = profiles.profile_path(model_dir)
+    profile = json.loads(path.read_text())
+    assert f"profile {path}" in out.replace("\n", "")
+    assert set(profile["best"]) == {"redrafter", "medusa"}
+    grid = {(r["beam_width"], r["beam_length"]) for r in profile["redrafter"]}
+    assert grid == {(1, 2), (1, 3), (2, 2), (2, 3)}
+    assert all(r["tokens_per_step"] >= 1 for r in profile["redrafter"] + profile["medusa"])
+    assert profile["measured"][0]["method"] == "plain" and profile["plain_tps"] > 0
+    best = profile["best"]["redrafter"]
+    assert (best["beam_width"], best["beam_length"]) in grid | {(4, 4)}  # validated or the drafter's default
+
+    # The next run finds it: generate without --speculative follows the profile's choice.
+    profile["choice"] = "redrafter"
+    profile["best"]["redrafter"] |= {"beam_width": 2, "beam_length": 3}
+    path.write_text(json.dumps(profile))
+    model, tokenizer = load(model_dir)
+    want = generate(model, tokenizer, "The quick brown fox", max_tokens=12)
+    code, out, err = run(monkeypatch, capsys, "generate", "-m", model_dir, "-p", "The quick brown fox", "--raw",
+                         "--max-tokens", 12, "-v")
+    assert code == 0, err
+    assert out == want + "\n"
+    assert f"speculation: redrafter, beam 2x3 (tuned profile {path})" in err.replace("\n", "")
+    assert "tok/step" in err
+    # Another model (other heads) does not take this model's profile.
+    assert profiles.load_profile(model_dir / "draft") is None
+
+
+def test_presets_by_chip(monkeypatch, model_dir, cache_dir):  # noqa: F811
+    monkeypatch.setattr(profiles, "device_name", lambda: "Apple M2 Ultra (gpu)")
+    s = profiles.settings_for("redrafter", model_dir)
+    assert (s.beam_width, s.beam_length, s.source) == (3, 4, "M2 Ultra preset")
+    assert profiles.settings_for("medusa", model_dir).tree_size == 9
+    monkeypatch.setattr(profiles, "device_name", lambda: "Apple M1 Max (gpu)")
+    assert profiles.settings_for("redrafter", model_dir).beam_width == 1
+    monkeypatch.setattr(profiles, "device_name", lambda: "Apple M1 (gpu)")
+    assert profiles.settings_for("redrafter", model_dir).source == "M1 preset"
+    monkeypatch.setattr(profiles, "device_name", lambda: "AMD EPYC (cpu)")
+    s = profiles.settings_for("redrafter", model_dir)
+    assert s.beam_width is None and "hybrid tune" in s.source
+    # A preset Medusa tree of 9 candidates runs and stays exact.
+    model, tokenizer = load(model_dir)
+    medusa = load_proposer("medusa", model, model_dir, settings=profiles.Settings(tree_size=9))
+    assert len(medusa.tree) == 10
+    prompt = tokenizer.encode("The quick brown fox")
+    want = [t for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=12)]
+    got = []
+    for new, _ in speculative_steps(model, medusa, prompt, model.make_cache(), SamplingParams()):
+        got += new
+        if len(got) >= 12:
+            break
+    assert got[:12] == want
+
+
+def test_tune_bad_input(monkeypatch, capsys, model_dir, tmp_path, cache_dir):  # noqa: F811
+    code, _, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--method", "eagle")
+    assert_one_line_error(code, err, "--method must be")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    code, _, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--prompts", empty)
+    assert_one_line_error(code, err, "has no prompts")
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("medusa", "redrafter", "draft"))
+    code, _, err = run(monkeypatch, capsys, "tune", "-m", bare)
+    assert_one_line_error(code, err, "nothing to tune")
+    code, _, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--new-tokens", 3, "--max-length", 5)
+    assert_one_line_error(code, err, "--new-tokens")
