@@ -97,31 +97,32 @@ def _cost(verify: dict, n: float, branching: bool) -> float:
     return float(np.interp(n, verify["n"], verify["tree" if branching else "chain"]))
 
 
-def _tokens_per_second(model, proposer, prompts: list[list[int]], new_tokens: int) -> float:
-    """Decode tokens/s over prompts (time from each prompt's first token to its last)."""
-    total, seconds = 0, 0.0
+def decode_speed(model, proposer, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """Greedy decode tokens/s over prompts (time from each prompt's first token to its last) and
+    tokens per target pass; proposer None: plain decoding (`generate_step`)."""
+    total, seconds, passes = 0, 0.0, 0
     for prompt in prompts:
         steps = (
             ((t,) for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=new_tokens))
             if proposer is None
             else (new for new, _ in speculative_steps(model, proposer, prompt, model.make_cache(), SamplingParams()))
         )
-        n, tic = 0, None
+        n, k, tic = 0, 0, None
         for new in steps:
             if tic is None:
                 tic = time.perf_counter()
-            n += len(new)
+            n, k = n + len(new), k + 1
             if n >= new_tokens:
                 break
         seconds += time.perf_counter() - tic
-        total += n - 1
-    return total / seconds
+        total, passes = total + n - 1, passes + k - 1
+    return total / seconds, total / max(passes, 1)
 
 
 def _measure(model, model_dir, method, settings, prompts, new_tokens) -> float:
     proposer = None if method is None else load_proposer(method, model, model_dir, settings=settings)
-    _tokens_per_second(model, proposer, prompts[:1], 8)  # warm-up
-    return _tokens_per_second(model, proposer, prompts, new_tokens)
+    decode_speed(model, proposer, prompts[:1], 8)  # warm-up
+    return decode_speed(model, proposer, prompts, new_tokens)[0]
 
 
 def tune(
