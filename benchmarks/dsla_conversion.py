@@ -8,12 +8,16 @@ sensitive first, as the runtime's policy converts them), measures perplexity on 
 block, and the policy's exact estimate at --context tokens. It also lists the conversion the
 policy picks per prompt length under --budget (DSLA-Serve's Table 4 is such a table, set by hand).
 
+The real numbers come from distilled DSLA weights: train_cuda/scripts/real_dsla.py runs
+train_cuda's `dsla` stage (DSLA-Serve's chained conversion) and exports OUT/adaptive with
+`hybrid_train.model.save_adaptive`; `run --model OUT/adaptive` measures it.
+
 `build` makes such a directory without training, for trying the pipeline: every attention layer
 of SOURCE also gets an attention-initialized DSLA (q, k, v, o copied, gates as train_cuda
 initializes them: history gate near 1, recency gate random), ordered by attention entropy
 (DSLA-Serve eq. 11, final query, averaged over heads and calibration blocks). Undistilled DSLA
-layers are far worse than distilled ones: the real numbers come from train_cuda's `dsla` stage
-exported with `hybrid_train.model.save_adaptive`.
+layers are far worse than distilled ones. Both write entropy.json with the command that made the
+weights, which `run` puts above its results.
 
 Held-out text: the Lee corpus shipped in gensim's PyPI wheel (train_cuda/scripts/fetch_corpus.py
 fetches it: train.txt for calibration, heldout.txt for perplexity).
@@ -21,6 +25,8 @@ fetches it: train.txt for calibration, heldout.txt for perplexity).
     python train_cuda/scripts/fetch_corpus.py /tmp/lee
     python benchmarks/dsla_conversion.py build --source MODEL_DIR --calibration /tmp/lee/train.txt --out /tmp/smol-dsla
     python benchmarks/dsla_conversion.py run --model /tmp/smol-dsla --text /tmp/lee/heldout.txt
+    python train_cuda/scripts/real_dsla.py --base SmolLM2-135M-Instruct.Q4_1.gguf --corpus /tmp/lee --out /tmp/dsla
+    python benchmarks/dsla_conversion.py run --model /tmp/dsla/adaptive --text /tmp/lee/heldout.txt --label "..."
 """
 
 from __future__ import annotations
@@ -179,10 +185,10 @@ def run(a) -> int:
     label = a.label or device["default_label"]
     name = a.name or a.model.name
     slug = slugify(f"dsla-conversion-{name}-{label}")
-    out = BENCH_DIR / "results" / f"{slug}.json"
+    out = a.results / f"{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/dsla_conversion.py run " + shlex.join(sys.argv[2:])
-    built = a.model / "entropy.json"  # written by `build`
+    built = a.model / "entropy.json"  # written by `build` or real_dsla.py
     build_command = json.loads(built.read_text()).get("command") if built.is_file() else None
     result = dict(name=name, label=label, device=device, command=command, build=build_command, text=str(a.text), seq_len=a.seq_len,
                   blocks=len(data), tokens=sum(len(b) - 1 for b in data), context=a.context, layers=n_layers,
@@ -190,7 +196,8 @@ def run(a) -> int:
     out.write_text(json.dumps(result, indent=2))
     png = out.with_suffix(".png")
     plot(result, png)
-    update_readme(BENCH_DIR / "README.md", slug, section(result, slug, png, a.note))
+    if a.results.resolve() == (BENCH_DIR / "results").resolve():
+        update_readme(BENCH_DIR / "README.md", slug, section(result, slug, png, a.note))
     print(f"wrote {out} and {png}")
     return 0
 
@@ -272,6 +279,8 @@ def main(argv=None) -> int:
     r.add_argument("--name", default=None)
     r.add_argument("--label", default=None)
     r.add_argument("--note", default=None, help="a line for the README section")
+    r.add_argument("--results", type=Path, default=BENCH_DIR / "results",
+                   help="where the JSON and plot go; benchmarks/README.md gets a section only for the default")
     a = p.parse_args(argv)
     try:
         return build(a) if a.command == "build" else run(a)

@@ -16,7 +16,6 @@ stopped. Results: OUT/report.json; heads in OUT/medusa1/medusa/ and OUT/redrafte
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_run import make_prompts, stage  # noqa: E402
+from real_run import hf_model, make_prompts, stage  # noqa: E402
 
 SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
 TINY = {  # sizes for the CPU test of this script
@@ -54,14 +53,7 @@ def main() -> int:
     timings: dict[str, float] = {}
     began = time.time()
 
-    base = Path(args.base).resolve()
-    if base.suffix == ".gguf":  # dequantized once, not in every stage
-        hf = out / "base"
-        if not (hf / "config.json").is_file():
-            t = time.time()
-            subprocess.run([sys.executable, "-m", "hybrid_train", "gguf-to-hf", str(base), str(hf)], check=True, cwd=HERE.parent)
-            timings["gguf-to-hf"] = round(time.time() - t, 1)
-        base = hf
+    base = hf_model(args.base, out / "base", timings)
 
     labels = {}
     for name, text in (("prompts", "train.txt"), ("heldout", "heldout.txt")):

@@ -41,6 +41,18 @@ def make_prompts(text: Path, sentences: int, stride: int, max_prompts: int) -> l
     return prompts[:max_prompts]
 
 
+def hf_model(path: str, dest: Path, timings: dict) -> Path:
+    """PATH, or for a .gguf file its Hugging Face conversion in DEST (made once, not in every stage)."""
+    path = Path(path).resolve()
+    if path.suffix != ".gguf":
+        return path
+    if not (dest / "config.json").is_file():
+        began = time.time()
+        subprocess.run([sys.executable, "-m", "hybrid_train", "gguf-to-hf", str(path), str(dest)], check=True, cwd=HERE.parent)
+        timings["gguf-to-hf"] = round(time.time() - began, 1)
+    return dest
+
+
 def stage(name: str, cfg: dict, out: Path, resume: bool, timings: dict, kind: str | None = None):
     """Run `python -m hybrid_train KIND` (KIND defaults from the name) on cfg, timing it under name."""
     path = out / "configs" / f"{name}.json"
@@ -69,14 +81,7 @@ def main() -> int:
     timings: dict[str, float] = {}
     began = time.time()
 
-    teacher = Path(args.teacher).resolve()
-    if teacher.suffix == ".gguf":
-        hf = out / "teacher"
-        if not (hf / "config.json").is_file():
-            t = time.time()
-            subprocess.run([sys.executable, "-m", "hybrid_train", "gguf-to-hf", str(teacher), str(hf)], check=True, cwd=HERE.parent)
-            timings["gguf-to-hf"] = round(time.time() - t, 1)
-        teacher = hf
+    teacher = hf_model(args.teacher, out / "teacher", timings)
     config = json.loads((teacher / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
