@@ -4,7 +4,8 @@
 One process, one backend, the same weights for everything: this runtime's plain greedy decoding,
 its Medusa, ReDrafter and draft-model speculation, and mlx-lm's plain and draft-model
 (`speculative_generate_step`) decoding. Greedy, exactly --gen-tokens tokens after a fixed-seed
-random prompt; each runner is warmed up once, then the trials are interleaved (median). Decode
+prompt (--model: real news prompts held out from tuning; --synthetic: random tokens); each runner is
+warmed up once, then the trials are interleaved (median). Decode
 tokens/s = (tokens - 1) / time from the first to the last token, as in benchmarks/run.py.
 "same tokens" checks each method's output against our plain greedy tokens.
 
@@ -37,9 +38,10 @@ sys.path.insert(0, str(BENCH_DIR))
 from run import SYNTHETIC, device_description, make_synthetic, slugify, update_readme  # noqa: E402
 
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
-from mlx_hybrid.loader import load_model  # noqa: E402
+from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
+from mlx_hybrid.tune import PROMPTS_FILE  # noqa: E402
 
 
 def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="target directory with medusa/, redrafter/, draft/ beside it")
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-weight target in this shape")
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="synthetic: random prompt length")
+    p.add_argument("--prompts", type=int, default=4, help="--model: held-out prompts per trial")
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (ours and mlx-lm's)")
@@ -181,22 +184,32 @@ def main(argv=None) -> int:
         ours = load_model(target_dir)
     device = device_description()
     label = args.label or device["default_label"]
-    prompt = mx.random.randint(0, ours.args.vocab_size, (args.prompt_tokens,), key=mx.random.key(0)).tolist()
+    if args.synthetic:
+        prompts = [mx.random.randint(0, ours.args.vocab_size, (args.prompt_tokens,), key=mx.random.key(0)).tolist()]
+        prompt_desc = f"{args.prompt_tokens} random prompt tokens"
+    else:  # real text: the held-out half of the shipped prompts (the tuner calibrates on the other half)
+        tokenizer = load_tokenizer(target_dir)
+        lines = PROMPTS_FILE.read_text().splitlines()
+        prompts = [tokenizer.encode(t) for t in lines[len(lines) // 2 :][: args.prompts]]
+        prompt_desc = f"each of {len(prompts)} held-out news prompts"
     run = runners(target_dir, ours, args.num_draft, beam)
     trials = {name: [] for name in run}
-    reference = None
+    reference = {}
     for name, fn in run.items():  # warm-up; the reference tokens
-        toks, _, _ = fn(prompt, args.gen_tokens)
-        reference = reference or toks
+        for i, prompt in enumerate(prompts):
+            reference.setdefault(i, fn(prompt, args.gen_tokens)[0])
     for _ in range(args.trials):
         for name, fn in run.items():
-            toks, secs, steps = fn(prompt, args.gen_tokens)
-            trials[name].append(dict(tps=(len(toks) - 1) / secs, steps=steps, same=toks == reference))
+            results = [fn(prompt, args.gen_tokens) for prompt in prompts]
+            tokens, secs = sum(len(t) - 1 for t, _, _ in results), sum(s for _, s, _ in results)
+            steps = sum(k - 1 for _, _, k in results)
+            same = all(t == reference[i] for i, (t, _, _) in enumerate(results))
+            trials[name].append(dict(tps=tokens / secs, tokens_per_step=tokens / max(steps, 1), same=same))
     base = median(t["tps"] for t in trials["mlx-hybrid plain"])
     rows = []
     for name, ts in trials.items():
         tps = median(t["tps"] for t in ts)
-        per_step = (args.gen_tokens - 1) / max(1, median(t["steps"] for t in ts) - 1) if "plain" not in name else 1.0
+        per_step = median(t["tokens_per_step"] for t in ts) if "plain" not in name else 1.0
         rows.append(dict(method=name, tps=tps, speedup=tps / base, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
     command = "python benchmarks/speculative.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
@@ -208,7 +221,7 @@ def main(argv=None) -> int:
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
 
     lines = [f"<!-- results:{slug} -->", f"### Speculative decoding: {result['model']}, {result['dtype']}, {label}", "",
-             f"`{command}` (greedy, {args.gen_tokens} tokens after {args.prompt_tokens} prompt tokens, median of {args.trials})", "",
+             f"`{command}` (greedy, {args.gen_tokens} tokens after {prompt_desc}, median of {args.trials})", "",
              "| method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | same tokens |", "| --- | ---: | ---: | ---: | :---: |"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['tps']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {'yes' if r['same'] else 'no'} |")
