@@ -121,7 +121,9 @@ def decode_speed(model, proposer, prompts: list[list[int]], new_tokens: int) -> 
 
 def _measure(model, model_dir, method, settings, prompts, new_tokens) -> float:
     proposer = None if method is None else load_proposer(method, model, model_dir, settings=settings)
-    decode_speed(model, proposer, prompts[:1], 8)  # warm-up
+    # Warm-up on the same prompts: MLX's CUDA backend compiles kernels per shape on first use, and
+    # each tree and cache length brings new shapes.
+    decode_speed(model, proposer, prompts, new_tokens)
     return decode_speed(model, proposer, prompts, new_tokens)[0]
 
 
@@ -200,7 +202,7 @@ def tune(
             todo.append((method, "predicted", to_settings(r), r))
     measured = []
     for i, (method, kind, settings, row) in enumerate(todo):
-        tps = _measure(model, model_dir, None if method == "plain" else method, settings, ids[:4], new_tokens)
+        tps = _measure(model, model_dir, None if method == "plain" else method, settings, ids[:3], new_tokens)
         entry = dict(method=method, kind=kind, tps=tps, **({k: v for k, v in asdict(settings).items() if v} if settings else {}))
         entry.pop("source", None)
         measured.append(entry)

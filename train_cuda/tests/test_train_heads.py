@@ -231,8 +231,8 @@ def test_redrafter_export_in_the_mlx_runtime(tmp_path, teacher_dir, exit_dim, rn
         np.testing.assert_allclose(np.array(loaded.logits(hm[: L - j], state)), ours[j - 1].numpy(), atol=ATOL, rtol=0)
     # Beam search of width 1 after root token t+1 drafts step 1's top-1 at position t.
     for t in range(0, L - 1, 3):
-        beam = np.array(loaded.beam_search(hm[t], int(ids[0, t + 1]), target.model.embed_tokens, 1, 2))
-        assert beam[0, 1] == int(ours[0][t].argmax())
+        beam = np.array(loaded.beam_search(hm[t][None], mx.array([int(ids[0, t + 1])]), target.model.embed_tokens, 1, 2)[-1])
+        assert beam[0, 0, 1] == int(ours[0][t].argmax())
 
 
 def test_heads_on_a_hybrid_base(tmp_path, teacher_dir, prompts):
