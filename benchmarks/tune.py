@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     run = {name: (lambda ids, pr=pr: decode_speed(model, pr, ids, args.new_tokens)) for name, pr in proposers.items()}
     run["mlx-lm plain"] = lm_plain
     trials = {name: [] for name in run}
-    for name, fn in run.items():  # warm-up
-        fn(prompts[:1])
+    for name, fn in run.items():  # warm-up on the same prompts: MLX's CUDA backend compiles kernels per shape
+        fn(prompts)
     for _ in range(args.trials):
         for name, fn in run.items():
             trials[name].append(fn(prompts))
