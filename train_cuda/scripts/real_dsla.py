@@ -24,12 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 from transformers.utils import logging
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from real_run import hf_model, make_prompts, stage  # noqa: E402
+from real_run import hf_model, load_settings, make_prompts, stage  # noqa: E402
 
 from hybrid_train.errors import TrainError  # noqa: E402
 from hybrid_train.layers import conversion_order  # noqa: E402
@@ -86,10 +85,7 @@ def run(args) -> int:
     missing = [name for name in ("train.txt", "heldout.txt") if not (args.corpus / name).is_file()]
     if missing:
         raise TrainError(f"{args.corpus} has no {missing[0]} (scripts/fetch_corpus.py writes the corpus)")
-    settings = yaml.safe_load(SETTINGS.read_text())
-    if args.tiny:
-        for section, values in TINY.items():
-            settings[section].update(values)
+    settings = load_settings(SETTINGS, TINY if args.tiny else None)
     out = args.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}

@@ -20,11 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_run import hf_model, make_prompts, stage  # noqa: E402
+from real_run import hf_model, load_settings, make_prompts, stage  # noqa: E402
 
 SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
 TINY = {  # sizes for the CPU test of this script
@@ -44,10 +43,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
-    settings = yaml.safe_load(SETTINGS.read_text())
-    if args.tiny:
-        for section, values in TINY.items():
-            settings[section].update(values)
+    settings = load_settings(SETTINGS, TINY if args.tiny else None)
     out = args.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}

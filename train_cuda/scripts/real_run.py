@@ -64,6 +64,14 @@ def stage(name: str, cfg: dict, out: Path, resume: bool, timings: dict, kind: st
     timings[name] = round(time.time() - began, 1)
 
 
+def load_settings(path: Path, tiny: dict | None = None) -> dict:
+    """A run's yaml settings, with the --tiny sizes (section -> values) laid over them when given."""
+    settings = yaml.safe_load(path.read_text())
+    for section, values in (tiny or {}).items():
+        settings[section].update(values)
+    return settings
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--teacher", required=True)
@@ -72,10 +80,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
-    settings = yaml.safe_load(SETTINGS.read_text())
-    if args.tiny:
-        for section, values in TINY.items():
-            settings[section].update(values)
+    settings = load_settings(SETTINGS, TINY if args.tiny else None)
     out = args.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
