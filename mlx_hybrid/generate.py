@@ -132,6 +132,51 @@ def _held_back(text: str, stops: list[str]) -> int:
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
+def request_tokens(model: nn.Module, tokenizer: TokenizerWrapper, prompt, cache: list | None, max_tokens: int):
+    """The prompt's tokens and max_tokens cut to the context left after what cache holds; one-line
+    errors for an empty prompt, max_tokens < 1 or a prompt beyond the model's context."""
+    if max_tokens < 1:
+        raise HybridError(f"max tokens must be >= 1, got {max_tokens}")
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not tokens:
+        raise HybridError("the prompt is empty")
+    used = cache[0].offset if cache else 0
+    limit = context_limit(model)
+    if limit is not None and used + len(tokens) >= limit:
+        raise HybridError(f"the prompt needs {used + len(tokens)} tokens of context but the model's limit is {limit}")
+    if limit is not None:
+        max_tokens = min(max_tokens, limit - used - len(tokens))
+    return tokens, max_tokens
+
+
+class TextStream:
+    """Generated tokens in, printable text out: detokenizes, finishes at EOS, at max tokens or at a
+    stop string (cut off), and holds back text that may be the start of a stop string."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, stop=()):
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.eos = set(tokenizer.eos_token_ids)
+        self.stops = [s for s in stop if s]
+        self.text, self.emitted = "", 0
+
+    def add(self, token: int, last: bool) -> tuple[str, str | None]:
+        """The new text and the finish reason (None, "stop" or "length") after token."""
+        finish = "stop" if token in self.eos else ("length" if last else None)
+        if token not in self.eos:
+            self.detokenizer.add_token(token)
+        if finish:
+            self.detokenizer.finalize()
+        text = self.text + self.detokenizer.last_segment
+        hit = min((i for i in (text.find(s, max(0, self.emitted - len(s))) for s in self.stops) if i >= 0), default=-1)
+        if hit >= 0:
+            text, finish = text[:hit], "stop"
+        end = len(text) if finish else len(text) - _held_back(text, self.stops)
+        piece, self.emitted = text[self.emitted : end], max(self.emitted, end)
+        self.text = text
+        return piece, finish
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
@@ -153,30 +198,14 @@ def stream_generate(
     """
     sampling = sampling or SamplingParams()
     sampling.check()
-    if max_tokens < 1:
-        raise HybridError(f"max tokens must be >= 1, got {max_tokens}")
-    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not tokens:
-        raise HybridError("the prompt is empty")
-    used = cache[0].offset if cache else 0
-    limit = context_limit(model)
-    if limit is not None and used + len(tokens) >= limit:
-        raise HybridError(
-            f"the prompt needs {used + len(tokens)} tokens of context but the model's limit is {limit}"
-        )
-    if limit is not None:
-        max_tokens = min(max_tokens, limit - used - len(tokens))
+    tokens, max_tokens = request_tokens(model, tokenizer, prompt, cache, max_tokens)
     if cache is None and (memory_budget is not None or is_adaptive(model)):
         cache, _ = request_cache(model, len(tokens), max_tokens, memory_budget, prefill_step_size)
     cache = cache if cache is not None else model.make_cache()
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
 
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    eos = set(tokenizer.eos_token_ids)
-    stops = [s for s in stop if s]
-    text, emitted = "", 0
+    stream = TextStream(tokenizer, stop)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     steps = generate_step(
@@ -188,17 +217,7 @@ def stream_generate(
             prompt_time = time.perf_counter() - tic
             prompt_tps = len(tokens) / prompt_time
             tic = time.perf_counter()
-        finish = "stop" if token in eos else ("length" if n + 1 == max_tokens else None)
-        if token not in eos:
-            detokenizer.add_token(token)
-        if finish:
-            detokenizer.finalize()
-        text += detokenizer.last_segment
-        hit = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
-        if hit >= 0:
-            text, finish = text[:hit], "stop"
-        end = len(text) if finish else len(text) - _held_back(text, stops)
-        piece, emitted = text[emitted:end], max(emitted, end)
+        piece, finish = stream.add(token, last=n + 1 == max_tokens)
         elapsed = time.perf_counter() - tic
         yield GenerationResponse(
             text=piece,

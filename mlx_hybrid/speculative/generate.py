@@ -22,10 +22,10 @@ from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import (
     GenerationResponse,
     SamplingParams,
-    _held_back,
-    context_limit,
+    TextStream,
     generation_stream,
     prefill,
+    request_tokens,
 )
 from mlx_hybrid.speculative import accept
 from mlx_hybrid.speculative.tree import retrieve_indices
@@ -157,27 +157,12 @@ def speculative_generate(
     sampling.check()
     if sampling.repetition_penalty is not None:
         raise HybridError("speculative decoding does not support a repetition penalty")
-    if max_tokens < 1:
-        raise HybridError(f"max tokens must be >= 1, got {max_tokens}")
-    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not tokens:
-        raise HybridError("the prompt is empty")
     cache = cache if cache is not None else model.make_cache()
-    used = cache[0].offset if cache else 0
-    limit = context_limit(model)
-    if limit is not None and used + len(tokens) >= limit:
-        raise HybridError(f"the prompt needs {used + len(tokens)} tokens of context but the model's limit is {limit}")
-    if limit is not None:
-        # A verification pass holds the whole candidate tree in the cache for a moment.
-        max_tokens = min(max_tokens, limit - used - len(tokens))
+    tokens, max_tokens = request_tokens(model, tokenizer, prompt, cache, max_tokens)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
 
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    eos = set(tokenizer.eos_token_ids)
-    stops = [s for s in stop if s]
-    text, emitted = "", 0
+    stream = TextStream(tokenizer, stop)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps, n, steps, accepted = 0.0, 0, 0, 0
@@ -192,17 +177,7 @@ def speculative_generate(
             steps, accepted = steps + 1, accepted + acc
         for token in new:
             n += 1
-            finish = "stop" if token in eos else ("length" if n == max_tokens else None)
-            if token not in eos:
-                detokenizer.add_token(token)
-            if finish:
-                detokenizer.finalize()
-            text += detokenizer.last_segment
-            hit = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
-            if hit >= 0:
-                text, finish = text[:hit], "stop"
-            end = len(text) if finish else len(text) - _held_back(text, stops)
-            piece, emitted = text[emitted:end], max(emitted, end)
+            piece, finish = stream.add(token, last=n == max_tokens)
             elapsed = time.perf_counter() - tic
             yield SpeculativeResponse(
                 text=piece,
