@@ -22,6 +22,7 @@ from pathlib import Path
 from statistics import median
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
@@ -55,15 +56,20 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--retune", action="store_true", help="tune again even if a profile exists")
+    p.add_argument("--dtype", default=None, help="load the model in this dtype (CPU: float32; MLX's CPU float16 is slow)")
+    p.add_argument("--small", action="store_true", help="a CPU-sized tuning: 6 prompts x 24 tokens, beams <= 4x4, <= 32 candidates")
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
 
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, dtype=args.dtype)
     methods = [m for m in ("redrafter", "medusa") if (args.model / m).is_dir()]
     found = None if args.retune else load_profile(args.model)
     tic = time.perf_counter()
     if found is None:
-        profile = tune(model, tokenizer, args.model, calibration_prompts(), methods)
+        small = dict(new_tokens=24, widths=(1, 2, 3, 4), max_length=4, tree_sizes=(1, 2, 4, 8, 16, 32),
+                     counts=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32)) if args.small else {}
+        texts = calibration_prompts()[: 6 if args.small else None]
+        profile = tune(model, tokenizer, args.model, texts, methods, **small)
         path = profile_path(args.model)
         save_profile(profile, path)
         status = f"created ({time.perf_counter() - tic:.0f} s of tuning)"
@@ -92,6 +98,9 @@ def main(argv=None) -> int:
     from mlx_lm.utils import load_model as lm_load_model
 
     lm_model = lm_load_model(args.model)[0]
+    if args.dtype:  # the same weights in the same dtype as ours
+        dtype = getattr(mx, args.dtype)
+        lm_model.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, lm_model.parameters()))
 
     def lm_plain(ids):
         total, seconds = 0, 0.0
