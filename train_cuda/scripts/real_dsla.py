@@ -16,7 +16,6 @@ restarted with --resume goes on where it stopped. Timings and per-phase KL: OUT/
 Held-out perplexity per conversion rate comes from the second command (benchmarks/, MLX).
 """
 
-import argparse
 import json
 import shlex
 import subprocess
@@ -28,7 +27,7 @@ from transformers.utils import logging
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from real_run import hf_model, load_settings, make_prompts, stage  # noqa: E402
+from real_run import hf_model, load_settings, make_prompts, parse_args, stage  # noqa: E402
 
 from hybrid_train.errors import TrainError  # noqa: E402
 from hybrid_train.layers import conversion_order  # noqa: E402
@@ -64,13 +63,7 @@ def phases(dsla: Path) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base", required=True)
-    parser.add_argument("--corpus", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
-    parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__, "base")
     logging.disable_progress_bar()  # ours are the rich bars (as in hybrid_train's command line)
     try:
         return run(args)

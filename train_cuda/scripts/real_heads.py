@@ -14,7 +14,6 @@ stopped. Results: OUT/report.json; heads in OUT/medusa1/medusa/ and OUT/redrafte
 (copy them into BASE's model directory as medusa/ and redrafter/, or pass their paths).
 """
 
-import argparse
 import json
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_run import hf_model, load_settings, make_prompts, stage  # noqa: E402
+from real_run import hf_model, load_settings, make_prompts, parse_args, stage  # noqa: E402
 
 SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
 TINY = {  # sizes for the CPU test of this script
@@ -36,13 +35,7 @@ TINY = {  # sizes for the CPU test of this script
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base", required=True)
-    parser.add_argument("--corpus", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
-    parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__, "base")
     settings = load_settings(SETTINGS, TINY if args.tiny else None)
     out = args.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)

@@ -72,14 +72,19 @@ def load_settings(path: Path, tiny: dict | None = None) -> dict:
     return settings
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--teacher", required=True)
+def parse_args(doc: str, base: str) -> argparse.Namespace:
+    """The real-run scripts' command line: --BASE (model dir or .gguf), --corpus, --out, --tiny, --resume."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument(f"--{base}", required=True)
     parser.add_argument("--corpus", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
     parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args(__doc__, "teacher")
     settings = load_settings(SETTINGS, TINY if args.tiny else None)
     out = args.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,18 @@ def teacher_dir(tmp_path_factory) -> Path:
     return make_teacher(tmp_path_factory.mktemp("teacher"))
 
 
+@pytest.fixture
+def article_corpus(tmp_path) -> Path:
+    """A corpus directory as scripts/fetch_corpus.py writes it: train.txt and heldout.txt, one
+    document a line."""
+    path = tmp_path / "corpus"
+    path.mkdir()
+    docs = [" ".join(SENTENCES[i:] + SENTENCES[:i]) for i in range(len(SENTENCES))]
+    (path / "train.txt").write_text("\n".join(docs) + "\n")
+    (path / "heldout.txt").write_text("\n".join(docs[::-1]) + "\n")
+    return path
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "text.txt"

@@ -26,7 +26,7 @@ from conftest import SENTENCES, write_config
 from safetensors.torch import load_file
 
 from hybrid_train.__main__ import main
-from hybrid_train.heads import Drafter, MedusaHeads, examples_from, hidden_states, load_base, save_heads, top1_accuracy
+from hybrid_train.heads import Drafter, MedusaHeads, hidden_states, load_base, save_heads, top1_accuracy
 from hybrid_train.losses import drafter_kd_loss, medusa_loss
 from hybrid_train.model import HybridArgs, convert_layers, save_hybrid
 from hybrid_train.teacher import load_teacher, load_tokenizer
@@ -260,12 +260,8 @@ def test_heads_on_a_hybrid_base(tmp_path, teacher_dir, prompts):
     assert losses(tmp_path / "m")[-1] < losses(tmp_path / "m")[0]
 
 
-def test_real_heads_script(tmp_path, teacher_dir):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = [" ".join(SENTENCES[i:] + SENTENCES[:i]) for i in range(len(SENTENCES))]  # one document a line
-    (corpus / "train.txt").write_text("\n".join(docs) + "\n")
-    (corpus / "heldout.txt").write_text("\n".join(docs[::-1]) + "\n")
+def test_real_heads_script(tmp_path, teacher_dir, article_corpus):
+    corpus = article_corpus
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "scripts" / "real_heads.py"), "--base", str(teacher_dir), "--corpus", str(corpus),
            "--out", str(out), "--tiny"]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SENTENCES
 
 from hybrid_train.model import load_hybrid
 from hybrid_train.teacher import load_teacher
@@ -36,12 +35,8 @@ def torch_perplexity(model, data: list[list[int]]) -> float:
     return math.exp(nll / count)
 
 
-def test_real_dsla_script(tmp_path, teacher_dir):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = [" ".join(SENTENCES[i:] + SENTENCES[:i]) for i in range(len(SENTENCES))]  # one document a line
-    (corpus / "train.txt").write_text("\n".join(docs) + "\n")
-    (corpus / "heldout.txt").write_text("\n".join(docs[::-1]) + "\n")
+def test_real_dsla_script(tmp_path, teacher_dir, article_corpus):
+    corpus = article_corpus
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "scripts" / "real_dsla.py"), "--base", str(teacher_dir), "--corpus", str(corpus),
            "--out", str(out), "--tiny"]

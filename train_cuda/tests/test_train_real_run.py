@@ -5,17 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import SENTENCES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_real_run_script(tmp_path, teacher_dir):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = [" ".join(SENTENCES[i:] + SENTENCES[:i]) for i in range(len(SENTENCES))]  # one document a line
-    (corpus / "train.txt").write_text("\n".join(docs) + "\n")
-    (corpus / "heldout.txt").write_text("\n".join(docs[::-1]) + "\n")
+def test_real_run_script(tmp_path, teacher_dir, article_corpus):
+    corpus = article_corpus
     out = tmp_path / "out"
     cmd = ["bash", str(ROOT / "scripts" / "real_run.sh"), str(teacher_dir), str(corpus), str(out), "--tiny"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
