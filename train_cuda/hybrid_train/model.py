@@ -373,6 +373,7 @@ def hybrid_config(model) -> dict:
     config = model.config.to_dict()
     base = config.pop("model_type")
     config.pop("layer_types", None)  # transformers' own per-layer field; ours is mixer_types
+    config.pop("quantization_config", None)  # a GGUF teacher's, copied by from_pretrained; our weights are float
     args = getattr(model, "hybrid_args", None) or HybridArgs().resolve(model.config)
     return dict(config, model_type="llama_hybrid", base_model_type=base, mixer_types=mixer_types(model), **asdict(args))
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from hybrid_train import data, layers
+from hybrid_train import data, layers, shrink
 from hybrid_train.errors import TrainError
 from hybrid_train.head_stages import HEAD_STAGES
 from hybrid_train.heads import is_recurrent, load_base
@@ -56,6 +56,8 @@ class DistillConfig(TrainConfig):
     beta: float = 0.1
     freeze: list = field(default_factory=lambda: ["mlp"])  # parameter-name components to freeze
     calibrate: int = 8  # examples whose attention activations initialize new Mamba2 mixers (Mamba2.calibrate); 0: none
+    layers: list | None = None  # a smaller student: the teacher layers it keeps (shrink.keep_layers); default all
+    vocab_size: int | None = None  # a smaller student: its vocabulary trimmed to this many tokens (shrink.trim_vocab)
 
 
 @dataclass
@@ -202,21 +204,38 @@ def pseudo_labels(cfg: PseudoLabelConfig, resume: bool = False):
 
 
 def distill(cfg: DistillConfig, resume: bool = False):
-    """Stepwise hybrid distillation (one step of it: from the teacher, or from `init`)."""
+    """Stepwise hybrid distillation (one step of it: from the teacher, or from `init`), optionally
+    into a smaller student (`layers`, `vocab_size`): the teacher then reads the student's tokens
+    mapped back to its own ids, and its logits are cut to the student's vocabulary."""
     env = Dist()
     if cfg.mixer not in ("mamba", "mamba2", "dsla"):
         raise TrainError(f"mixer must be mamba, mamba2 or dsla, got '{cfg.mixer}'")
+    if cfg.init and (cfg.layers or cfg.vocab_size):
+        raise TrainError("layers and vocab_size shrink the teacher; they do not apply to init")
+    if cfg.layers and "entropy" in cfg.attention:
+        raise TrainError("attention.entropy ranks the teacher's layers: with layers, name the student's (every or layers)")
     tokenizer = load_tokenizer(cfg.teacher)
     teacher = load_teacher(cfg.teacher, _teacher_dtype(env), env.device)
-    examples = [data.example(r["prompt_ids"], r["response_ids"], cfg.seq_len)
-                for r in data.read_jsonl(cfg.data, ("prompt_ids", "response_ids"))]
-    if cfg.text:
-        examples += data.text_blocks(tokenizer, cfg.text, cfg.seq_len)
+    rows = [(r["prompt_ids"], r["response_ids"]) for r in data.read_jsonl(cfg.data, ("prompt_ids", "response_ids"))]
     torch.manual_seed(cfg.seed)
     student = (load_hybrid(cfg.init) if cfg.init else load_teacher(cfg.teacher)).to(env.device)
+    if cfg.layers:
+        shrink.keep_layers(student, cfg.layers)
+    student_tokenizer, keep = tokenizer, None
+    if cfg.vocab_size:
+        text = data.text_blocks(tokenizer, cfg.text, cfg.seq_len) if cfg.text else []
+        counts = shrink.token_counts([p + r for p, r in rows] + [ids for ids, _ in text])
+        student_tokenizer, keep = shrink.trim_vocab(tokenizer, counts, cfg.vocab_size)
+        shrink.keep_rows(student, keep)
+        rows = [(shrink.reencode(p, tokenizer, student_tokenizer), shrink.reencode(r, tokenizer, student_tokenizer))
+                for p, r in rows]
+        keep = torch.tensor(keep, device=env.device)
+    examples = [data.example(p, r, cfg.seq_len) for p, r in rows]
+    if cfg.text:
+        examples += data.text_blocks(student_tokenizer, cfg.text, cfg.seq_len)
     n = student.config.num_hidden_layers
-    keep = layers.attention_layers(cfg.attention, n, _entropy_ranking(cfg, teacher, tokenizer, env))
-    kinds = ["attention" if i in keep else cfg.mixer for i in range(n)]
+    keep_attention = layers.attention_layers(cfg.attention, n, _entropy_ranking(cfg, teacher, tokenizer, env))
+    kinds = ["attention" if i in keep_attention else cfg.mixer for i in range(n)]
     args = getattr(student, "hybrid_args", None) if cfg.init and not cfg.hybrid else _hybrid_args(cfg.hybrid)
     calibration = [examples[i][0] for i in torch.randperm(len(examples))[: cfg.calibrate].tolist()]
     convert_layers(student, kinds, args or HybridArgs(), calibration)
@@ -224,12 +243,16 @@ def distill(cfg: DistillConfig, resume: bool = False):
 
     def loss_fn(model, batch):
         with torch.no_grad():
-            target = _logits(teacher, batch)
+            if keep is None:
+                target = _logits(teacher, batch)
+            else:
+                target = teacher(input_ids=keep[batch["input_ids"]], use_cache=False).logits[..., keep]
         return distill_loss(_logits(model, batch), target, batch["labels"], cfg.alpha, cfg.beta)
 
-    student = train(cfg, student, examples, loss_fn, resume, env, label=f"distill {kinds.count('attention')}/{n} attention")
+    label = f"distill {kinds.count('attention')}/{n} attention" + (f", vocabulary {len(student_tokenizer)}" if cfg.vocab_size else "")
+    student = train(cfg, student, examples, loss_fn, resume, env, label=label)
     if env.main:
-        save_hybrid(student, Path(cfg.out) / "model", tokenizer)
+        save_hybrid(student, Path(cfg.out) / "model", student_tokenizer)
     env.barrier()
 
 
@@ -327,12 +350,16 @@ def dsla(cfg: DSLAConfig, resume: bool = False):
 
 @torch.no_grad()
 def perplexity(cfg: PerplexityConfig, resume: bool = False):
-    """Perplexity of each model on the same token blocks; ratio to the first model."""
+    """Perplexity of each model on the same text, and the ratio to the first model.
+
+    Each model reads the text in its own tokens. Per-token perplexity and its ratio compare models
+    of one vocabulary; word perplexity (the same total NLL over the words its blocks cover) also
+    compares a student with a trimmed vocabulary to its teacher."""
     env = Dist()
-    tokenizer = load_tokenizer(cfg.models[0])
-    blocks = data.text_blocks(tokenizer, cfg.text, cfg.seq_len)[: cfg.max_blocks]
     results = []
     for path in cfg.models:
+        tokenizer = load_tokenizer(path)
+        blocks = data.text_blocks(tokenizer, cfg.text, cfg.seq_len)[: cfg.max_blocks]
         model = (load_teacher(path) if str(path).endswith(".gguf") else load_hybrid(path)).to(env.device).eval()
         nll, count = 0.0, 0
         for k in range(0, len(blocks), cfg.batch_size):
@@ -341,19 +368,25 @@ def perplexity(cfg: PerplexityConfig, resume: bool = False):
                 logits = _logits(model, batch)
             nll += float(nll_loss(logits, batch["labels"])) * batch["labels"].numel()
             count += batch["labels"].numel()
+        words = sum(len(tokenizer.decode(labels).split()) for _, labels in blocks)
         kinds = mixer_types(model)
         results.append({"model": str(path), "attention_layers": kinds.count("attention"), "layers": len(kinds),
-                        "ppl": float(torch.tensor(nll / count).exp()), "tokens": count})
+                        "vocab_size": len(tokenizer), "ppl": float(torch.tensor(nll / count).exp()), "tokens": count,
+                        "word_ppl": float(torch.tensor(nll / words).exp()), "words": words})
         del model
     for r in results:
-        r["ratio"] = r["ppl"] / results[0]["ppl"]
+        same_vocab = r["vocab_size"] == results[0]["vocab_size"]
+        r["ratio"] = r["ppl"] / results[0]["ppl"] if same_vocab else None
+        r["word_ratio"] = r["word_ppl"] / results[0]["word_ppl"]
     if env.main:
         out = Path(cfg.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
-        table = Table("model", "attention", "perplexity", "ratio to first")
+        table = Table("model", "attention", "vocabulary", "perplexity", "ratio to first", "word perplexity", "word ratio")
         for r in results:
-            table.add_row(r["model"], f"{r['attention_layers']}/{r['layers']}", f"{r['ppl']:.3f}", f"{r['ratio']:.3f}")
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+            table.add_row(r["model"], f"{r['attention_layers']}/{r['layers']}", str(r["vocab_size"]), f"{r['ppl']:.3f}",
+                          ratio, f"{r['word_ppl']:.2f}", f"{r['word_ratio']:.3f}")
         Console().print(table)
     return results
 

@@ -1,0 +1,195 @@
+"""The default-model run: a small 50% Mamba2 hybrid of the teacher, with its ReDrafter drafter, sized
+for the 25 MB of package data of `hybrid chat`'s embedded default at 4 bits.
+
+    python train_cuda/scripts/real_default.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--tiny] [--resume]
+    hybrid convert OUT/student/model DST --dtype float16 -q --bits 4 --group-size 64 --redrafter OUT/redrafter/redrafter
+
+TEACHER: a Hugging Face Llama/Mistral directory or a .gguf file (converted once into OUT/teacher;
+needs the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a
+line (scripts/fetch_corpus.py). Stages (settings: configs/real_default.yaml; --tiny shrinks them):
+
+1. news: the teacher continues two-sentence windows of train.txt (sampled);
+2. questions: the teacher writes user turns itself (Magpie: its chat template up to the user's
+   turn, sampled), deduplicated; chat: the teacher answers them (sampled);
+3. student: `distill` into a smaller student (`layers`, `vocab_size`: hybrid_train/shrink.py) with
+   every 2nd layer Mamba2, on the news, chat and train.txt text, KL to the teacher on every label;
+4. drafter-labels: the student's own greedy continuations of windows of its training sequences
+   (chat turns and news, the first `context` tokens); redrafter: the drafter distilled from the
+   student along them, top-1 per step on continuations of other windows and of heldout.txt;
+5. perplexity of teacher and student on heldout.txt (word perplexity: the vocabularies differ).
+
+A finished stage is skipped, so a killed run restarted with --resume goes on where it stopped.
+OUT/report.json gets the numbers and timings.
+"""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from transformers.utils import logging
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+from real_run import hf_model, load_settings, make_prompts, parse_args, stage  # noqa: E402
+
+from hybrid_train.errors import TrainError  # noqa: E402
+from hybrid_train.teacher import load_tokenizer  # noqa: E402
+
+SETTINGS = HERE.parent / "configs" / "real_default.yaml"
+TINY = {  # sizes for the CPU test of this script
+    "news": {"max_prompts": 8},
+    "questions": {"count": 8, "max_new_tokens": 12, "batch_size": 4, "ended_only": False, "min_chars": 1},
+    "pseudo-labels": {"max_new_tokens": 12, "batch_size": 4},
+    "student": {"layers": [0, 1, 3], "vocab_size": 280, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1,
+                "save_every": 2},
+    "drafter-labels": {"prompts": 6, "heldout": 4, "context": 8, "max_new_tokens": 8, "batch_size": 4},
+    "redrafter": {"draft_steps": 2, "exit_dim": 64, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1,
+                  "save_every": 2},
+    "perplexity": {"seq_len": 32, "max_blocks": 4},
+}
+
+
+def user_turn_prefix(tokenizer) -> str:
+    """The chat template's text up to the user's words (system prompt included): the teacher
+    continues it with a question of its own (Magpie)."""
+    marker = "\x00MARK\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return text[: text.index(marker)]
+
+
+def questions(labels: Path, eos: int | None, min_chars: int) -> list[str]:
+    """The teacher's user turns, one line each, without short or repeated ones; with eos, only
+    those it ended itself (with that end-of-turn token)."""
+    seen, out = set(), []
+    for row in map(json.loads, labels.read_text().splitlines()):
+        q = " ".join(row["response"].split())
+        ended = eos is None or row["response_ids"][-1:] == [eos]
+        if ended and len(q) >= min_chars and q.lower() not in seen:
+            seen.add(q.lower())
+            out.append(q)
+    return out
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def windows(texts: list[str], tokenizer, length: int, count: int) -> list[str]:
+    """The first `length` tokens of each text that is longer, as text (special tokens kept), at
+    most `count`. Prompts of one length generate in few batches: a hybrid base has no KV cache in
+    transformers, so `pseudo-labels` batches only prompts of equal length."""
+    out = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        window = tokenizer.decode(ids[:length])
+        if len(ids) > length and len(out) < count and "\ufffd" not in window:  # not cut inside a character
+            out.append(window)
+    return out
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    """A .jsonl prompt file: prompts may hold newlines (chat turns)."""
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def merge(paths: list[Path], out: Path) -> Path:
+    out.write_text("".join(p.read_text() for p in paths))
+    return out
+
+
+def main() -> int:
+    args = parse_args(__doc__, "teacher")
+    logging.disable_progress_bar()  # ours are the rich bars (as in hybrid_train's command line)
+    try:
+        return run(args)
+    except TrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as e:  # the stage printed its own error
+        return e.returncode
+
+
+def run(args) -> int:
+    missing = [name for name in ("train.txt", "heldout.txt") if not (args.corpus / name).is_file()]
+    if missing:
+        raise TrainError(f"{args.corpus} has no {missing[0]} (scripts/fetch_corpus.py writes the corpus)")
+    s = load_settings(SETTINGS, TINY if args.tiny else None)
+    out = args.out.resolve()
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    began = time.time()
+    teacher = hf_model(args.teacher, out / "teacher", timings)
+    sampled = {k: s["pseudo-labels"][k] for k in ("max_new_tokens", "batch_size", "temperature", "top_p", "seed")}
+
+    def labels(name: str, model: Path, prompts: Path, chat: bool, settings: dict) -> Path:
+        path = out / f"{name}.jsonl"
+        if not path.is_file():
+            cfg = dict(settings, teacher=str(model), prompts=str(prompts), out=str(path), chat=chat)
+            stage(name, cfg, out, False, timings, kind="pseudo-labels")
+        return path
+
+    p = s["news"]
+    news_prompts = make_prompts(args.corpus / "train.txt", p["sentences"], p["stride"], p["max_prompts"])
+    news = labels("news", teacher, write_lines(out / "news.txt", news_prompts), False, sampled)
+
+    q = dict(s["questions"])
+    tokenizer = load_tokenizer(teacher)
+    prefix = user_turn_prefix(tokenizer)
+    seeds = out / "question-prompts.jsonl"
+    seeds.write_text("".join(json.dumps({"prompt": prefix}) + "\n" for _ in range(q.pop("count"))))
+    ended_only, min_chars = q.pop("ended_only"), q.pop("min_chars")
+    asked = questions(labels("questions", teacher, seeds, False, q), tokenizer.eos_token_id if ended_only else None, min_chars)
+    if not asked:
+        raise TrainError("the teacher wrote no usable questions: check its chat template")
+    chat = labels("chat", teacher, write_lines(out / "questions.txt", asked), True, sampled)
+
+    student = out / "student"
+    if not (student / "model" / "config.json").is_file():
+        config = json.loads((teacher / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        cfg = dict(s["student"], teacher=str(teacher), data=str(merge([news, chat], out / "distill.jsonl")),
+                   hybrid={"d_state": head_dim},  # Mamba2 heads = attention heads, as in MambaInLlama
+                   text=[str(args.corpus / t) for t in s["student"].get("text", [])], out=str(student))
+        stage("student", cfg, out, args.resume, timings, kind="distill")
+
+    d = dict(s["drafter-labels"])
+    count, held_count, context = d.pop("prompts"), d.pop("heldout"), d.pop("context")
+    student_tokenizer = load_tokenizer(student / "model")
+    rows = [r["prompt_ids"] + r["response_ids"] for r in map(json.loads, (out / "distill.jsonl").read_text().splitlines())]
+    random.Random(0).shuffle(rows)
+    docs = [line for line in (args.corpus / "heldout.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
+    train_windows = windows([tokenizer.decode(r) for r in rows], student_tokenizer, context, count + held_count // 2)
+    held = train_windows[count:] + windows(docs, student_tokenizer, context, held_count - held_count // 2)
+    drafter_data = {name: labels(f"student-{name}", student / "model", write_prompts(out / f"student-{name}-prompts.jsonl", p), False, d)
+                    for name, p in (("train", train_windows[:count]), ("heldout", held))}
+    redrafter = out / "redrafter"
+    if not (redrafter / "report.json").is_file():
+        cfg = dict(s["redrafter"], base=str(student / "model"), out=str(redrafter),
+                   data=str(drafter_data["train"]),
+                   eval_data=str(drafter_data["heldout"]))
+        stage("redrafter", cfg, out, args.resume, timings)
+
+    ppl = out / "perplexity.json"
+    stage("perplexity", dict(s["perplexity"], models=[str(teacher), str(student / "model")],
+                             text=[str(args.corpus / "heldout.txt")], out=str(ppl)), out, False, timings)
+    report = {
+        "teacher": str(args.teacher),
+        "corpus": str(args.corpus),
+        "news_prompts": len(news_prompts),
+        "questions": len(asked),
+        "perplexity": json.loads(ppl.read_text()),
+        "redrafter": json.loads((redrafter / "report.json").read_text())["heldout"],
+        "seconds": dict(timings, total=round(time.time() - began, 1)),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""scripts/real_default.py end to end on the CPU: tiny random teacher, tiny corpus, --tiny sizes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hybrid_train.model import load_hybrid, mixer_types
+from hybrid_train.teacher import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_real_default_script(tmp_path, teacher_dir, article_corpus):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts" / "real_default.py"), "--teacher", str(teacher_dir),
+           "--corpus", str(article_corpus), "--out", str(out), "--tiny"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    # The student: teacher layers 0, 1, 3, every 2nd one Mamba2, 280 tokens, its own tokenizer.
+    student = load_hybrid(out / "student" / "model")
+    assert mixer_types(student) == ["attention", "mamba2", "attention"]
+    assert student.config.vocab_size == 280 == len(load_tokenizer(out / "student" / "model"))
+    ppl = report["perplexity"]
+    assert [r["vocab_size"] for r in ppl] == [len(load_tokenizer(teacher_dir)), 280]
+    assert ppl[1]["ratio"] is None and ppl[1]["word_ppl"] > 1 and ppl[0]["word_ratio"] == 1.0
+    drafter = json.loads((out / "redrafter" / "redrafter" / "config.json").read_text())
+    assert (drafter["vocab_size"], drafter["exit_dim"]) == (280, 64)
+    assert len(report["redrafter"]["top1"]) == 2
+    assert set(report["seconds"]) >= {"news", "questions", "chat", "student", "redrafter", "perplexity", "total"}
