@@ -24,16 +24,12 @@ OUT/report.json gets the numbers and timings.
 
 import json
 import random
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-from transformers.utils import logging
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from real_run import hf_model, load_settings, make_prompts, parse_args, stage  # noqa: E402
+from real_run import check_corpus, finish, hf_model, make_prompts, script_main, stage, start  # noqa: E402
 
 from hybrid_train.errors import TrainError  # noqa: E402
 from hybrid_train.teacher import load_tokenizer  # noqa: E402
@@ -102,27 +98,9 @@ def merge(paths: list[Path], out: Path) -> Path:
     return out
 
 
-def main() -> int:
-    args = parse_args(__doc__, "teacher")
-    logging.disable_progress_bar()  # ours are the rich bars (as in hybrid_train's command line)
-    try:
-        return run(args)
-    except TrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except subprocess.CalledProcessError as e:  # the stage printed its own error
-        return e.returncode
-
-
 def run(args) -> int:
-    missing = [name for name in ("train.txt", "heldout.txt") if not (args.corpus / name).is_file()]
-    if missing:
-        raise TrainError(f"{args.corpus} has no {missing[0]} (scripts/fetch_corpus.py writes the corpus)")
-    s = load_settings(SETTINGS, TINY if args.tiny else None)
-    out = args.out.resolve()
-    (out / "configs").mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    began = time.time()
+    check_corpus(args.corpus)
+    s, out, timings, began = start(args, SETTINGS, TINY)
     teacher = hf_model(args.teacher, out / "teacher", timings)
     sampled = {k: s["pseudo-labels"][k] for k in ("max_new_tokens", "batch_size", "temperature", "top_p", "seed")}
 
@@ -184,12 +162,9 @@ def run(args) -> int:
         "questions": len(asked),
         "perplexity": json.loads(ppl.read_text()),
         "redrafter": json.loads((redrafter / "report.json").read_text())["heldout"],
-        "seconds": dict(timings, total=round(time.time() - began, 1)),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
-    return 0
+    return finish(out, report, timings, began)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(__doc__, "teacher", run))

@@ -18,18 +18,14 @@ Held-out perplexity per conversion rate comes from the second command (benchmark
 
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from transformers.utils import logging
-
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from real_run import hf_model, load_settings, make_prompts, parse_args, stage  # noqa: E402
+from real_run import check_corpus, finish, hf_model, make_prompts, script_main, stage, start  # noqa: E402
 
-from hybrid_train.errors import TrainError  # noqa: E402
 from hybrid_train.layers import conversion_order  # noqa: E402
 from hybrid_train.model import load_hybrid, mixer_types, save_adaptive  # noqa: E402
 from hybrid_train.teacher import load_teacher, load_tokenizer  # noqa: E402
@@ -62,27 +58,9 @@ def phases(dsla: Path) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    args = parse_args(__doc__, "base")
-    logging.disable_progress_bar()  # ours are the rich bars (as in hybrid_train's command line)
-    try:
-        return run(args)
-    except TrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except subprocess.CalledProcessError as e:  # the stage printed its own error
-        return e.returncode
-
-
 def run(args) -> int:
-    missing = [name for name in ("train.txt", "heldout.txt") if not (args.corpus / name).is_file()]
-    if missing:
-        raise TrainError(f"{args.corpus} has no {missing[0]} (scripts/fetch_corpus.py writes the corpus)")
-    settings = load_settings(SETTINGS, TINY if args.tiny else None)
-    out = args.out.resolve()
-    (out / "configs").mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    began = time.time()
+    check_corpus(args.corpus)
+    settings, out, timings, began = start(args, SETTINGS, TINY)
     base = hf_model(args.base, out / "base", timings)
 
     p = settings["calibration"]
@@ -110,13 +88,11 @@ def run(args) -> int:
         "order": order,
         "entropy": entropy,
         "phases": phases(dsla),
-        "seconds": dict(timings, total=round(time.time() - began, 1)),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    finish(out, report, timings, began)
     print(f"next: python benchmarks/dsla_conversion.py run --model {adaptive} --text {args.corpus / 'heldout.txt'} --name NAME --label LABEL")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(__doc__, "base", run))

@@ -16,13 +16,12 @@ stopped. Results: OUT/report.json; heads in OUT/medusa1/medusa/ and OUT/redrafte
 
 import json
 import sys
-import time
 from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_run import hf_model, load_settings, make_prompts, parse_args, stage  # noqa: E402
+from real_run import finish, hf_model, make_prompts, parse_args, stage, start  # noqa: E402
 
 SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
 TINY = {  # sizes for the CPU test of this script
@@ -36,12 +35,7 @@ TINY = {  # sizes for the CPU test of this script
 
 def main() -> int:
     args = parse_args(__doc__, "base")
-    settings = load_settings(SETTINGS, TINY if args.tiny else None)
-    out = args.out.resolve()
-    (out / "configs").mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    began = time.time()
-
+    settings, out, timings, began = start(args, SETTINGS, TINY)
     base = hf_model(args.base, out / "base", timings)
 
     labels = {}
@@ -73,11 +67,8 @@ def main() -> int:
         "heldout_sequences": count(labels["heldout"]),
         "medusa1": reports["medusa1"]["heldout"],
         "redrafter": reports["redrafter"]["heldout"],
-        "seconds": dict(timings, total=round(time.time() - began, 1)),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
-    return 0
+    return finish(out, report, timings, began)
 
 
 if __name__ == "__main__":

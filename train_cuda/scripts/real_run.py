@@ -83,14 +83,52 @@ def parse_args(doc: str, base: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> int:
-    args = parse_args(__doc__, "teacher")
-    settings = load_settings(SETTINGS, TINY if args.tiny else None)
+def script_main(doc: str, base: str, run) -> int:
+    """A real-run script's main: its command line (`parse_args`), then run(args), with a
+    TrainError as one line on stderr and a failed stage's exit status (it printed its own error)."""
+    args = parse_args(doc, base)
+    sys.path.insert(0, str(HERE.parent))
+    from transformers.utils import logging
+
+    from hybrid_train.errors import TrainError
+
+    logging.disable_progress_bar()  # ours are the rich bars (as in hybrid_train's command line)
+    try:
+        return run(args)
+    except TrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as e:
+        return e.returncode
+
+
+def check_corpus(corpus: Path):
+    from hybrid_train.errors import TrainError
+
+    missing = [name for name in ("train.txt", "heldout.txt") if not (corpus / name).is_file()]
+    if missing:
+        raise TrainError(f"{corpus} has no {missing[0]} (scripts/fetch_corpus.py writes the corpus)")
+
+
+def start(args, path: Path, tiny: dict) -> tuple[dict, Path, dict, float]:
+    """A run's settings (with the --tiny sizes when asked), its out directory (made, with configs/),
+    an empty timings dict for `stage` and the start time for `finish`."""
     out = args.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    began = time.time()
+    return load_settings(path, tiny if args.tiny else None), out, {}, time.time()
 
+
+def finish(out: Path, report: dict, timings: dict, began: float) -> int:
+    """OUT/report.json: the report with the stage timings and the total, also printed."""
+    report["seconds"] = dict(timings, total=round(time.time() - began, 1))
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+def main() -> int:
+    args = parse_args(__doc__, "teacher")
+    settings, out, timings, began = start(args, SETTINGS, TINY)
     teacher = hf_model(args.teacher, out / "teacher", timings)
     config = json.loads((teacher / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -120,11 +158,8 @@ def main() -> int:
         "corpus": str(args.corpus),
         "prompts": len(prompts.read_text().splitlines()),
         "perplexity": json.loads(report_file.read_text()),
-        "seconds": dict(timings, total=round(time.time() - began, 1)),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
-    return 0
+    return finish(out, report, timings, began)
 
 
 if __name__ == "__main__":
