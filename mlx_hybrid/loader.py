@@ -104,9 +104,15 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
         raise HybridError(f"{path}: {e}") from None
     if config.get("quantization"):
         _quantize(model, config["quantization"], weights)
+    keep = getattr(arch, "FP32_PARAMS", ())  # recurrent-state parameters stay float32 whatever dtype
+    return set_weights(model, path, weights, dtype, keep)
+
+
+def set_weights(module: nn.Module, path: Path, weights: dict, dtype: str | None, keep=()) -> nn.Module:
+    """Load weights into module (strictly: every name and shape), float tensors cast to dtype
+    except the parameters named in keep (float32); the module is evaluated and in eval mode."""
     if dtype is not None and dtype not in DTYPES:
         raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-    keep = getattr(arch, "FP32_PARAMS", ())  # recurrent-state parameters stay float32 whatever dtype
 
     def cast(name: str, v: mx.array) -> mx.array:
         if not mx.issubdtype(v.dtype, mx.floating):
@@ -115,14 +121,13 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
             return v.astype(mx.float32)
         return v.astype(DTYPES[dtype]) if dtype else v
 
-    weights = {k: cast(k, v) for k, v in weights.items()}
     try:
-        model.load_weights(list(weights.items()), strict=True)
+        module.load_weights([(k, cast(k, v)) for k, v in weights.items()], strict=True)
     except ValueError as e:
         raise HybridError(f"{path}: weights do not match config.json: {str(e).splitlines()[0]}") from None
-    mx.eval(model.parameters())
-    model.eval()
-    return model
+    mx.eval(module.parameters())
+    module.eval()
+    return module
 
 
 def load_tokenizer(path: str | Path, eos_token_ids=None, base_model_type: str | None = None) -> TokenizerWrapper:

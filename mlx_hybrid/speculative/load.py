@@ -6,11 +6,10 @@ As for models (`mlx_hybrid/loader.py`), every way a directory can be wrong ends 
 
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.loader import DTYPES, compute_dtype, load_weights, read_config_json
+from mlx_hybrid.loader import compute_dtype, load_weights, read_config_json, set_weights
 
 
 def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
@@ -31,18 +30,7 @@ def load_into(module: nn.Module, path: Path, config: dict, dtype: str | None = N
     if config.get("quantization"):
         q = config["quantization"]
         nn.quantize(module, q["group_size"], q["bits"], class_predicate=lambda p, m: f"{p}.scales" in weights)
-    dtype = dtype or compute_dtype()
-    if dtype is not None:
-        if dtype not in DTYPES:
-            raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    try:
-        module.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise HybridError(f"{path}: weights do not match config.json: {str(e).splitlines()[0]}") from None
-    mx.eval(module.parameters())
-    module.eval()
-    return module
+    return set_weights(module, path, weights, dtype or compute_dtype())
 
 
 def check_target(path: Path, config: dict, target: nn.Module):
