@@ -15,7 +15,6 @@ worst, see test_hybrid_parity.py). Quantized conversions must keep the source's 
 
 import json
 import shutil
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -24,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from factories import CORPUS, make_hf_model_dir, make_hybrid_dir
 from safetensors.torch import save_file
+from test_cli import assert_one_line_error, run
 from tokenizers import Tokenizer
 
-from mlx_hybrid.cli.main import main
 from mlx_hybrid.convert.checkpoint import open_checkpoint
 from mlx_hybrid.convert.hf import convert
 from mlx_hybrid.convert.verify import verify
@@ -216,23 +215,6 @@ def test_output_dtypes(source, tmp_path):
 
 
 # ---- the command line: one-line errors, nothing left behind ----
-
-
-def run(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["hybrid", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
-
-
-def assert_one_line_error(code, err, *fragments):
-    assert code != 0
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 @pytest.fixture(scope="module")
