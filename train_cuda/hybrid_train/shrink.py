@@ -54,6 +54,9 @@ def trim_vocab(tokenizer, counts: Counter, size: int):
     parents = {}
     for a, b in _merges(model):
         parents.setdefault(a + b, (a, b))
+    outside = [a["content"] for a in spec["added_tokens"] if a["content"] not in vocab]
+    if outside:
+        raise TrainError(f"special token {outside[0]!r} is not in the BPE vocabulary; trimming keeps ids in one table")
     kept = {t for t in vocab if len(t) == 1} | {a["content"] for a in spec["added_tokens"]}
     if len(kept) > size:
         raise TrainError(f"vocab_size {size} is below the {len(kept)} byte and special tokens every text may need")
@@ -74,7 +77,7 @@ def trim_vocab(tokenizer, counts: Counter, size: int):
             kept |= need
         if len(kept) == size:
             break
-    keep = sorted(vocab[t] for t in kept if t in vocab)
+    keep = sorted(vocab[t] for t in kept)
     new_id = {old: new for new, old in enumerate(keep)}
     model["vocab"] = {token[old]: new for new, old in enumerate(keep)}
     model["merges"] = [[a, b] for a, b in _merges(model) if a in kept and b in kept and a + b in kept]
@@ -106,17 +109,13 @@ def keep_rows(model, keep: list[int]):
     model.model.embed_tokens, model.lm_head = embed, head
     model.config.vocab_size = len(keep)
     new_id = {old: new for new, old in enumerate(keep)}
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        old = getattr(model.config, name, None)
-        if isinstance(old, list):
-            setattr(model.config, name, [new_id[i] for i in old if i in new_id])
-        elif old is not None:
-            setattr(model.config, name, new_id.get(old))
-    if getattr(model, "generation_config", None) is not None:
+    for config in (model.config, getattr(model, "generation_config", None)):
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            old = getattr(model.generation_config, name, None)
-            if isinstance(old, int):
-                setattr(model.generation_config, name, new_id.get(old))
+            old = getattr(config, name, None)
+            if isinstance(old, list):
+                setattr(config, name, [new_id[i] for i in old if i in new_id])
+            elif old is not None:
+                setattr(config, name, new_id.get(old))
     return model
 
 

@@ -356,7 +356,7 @@ def perplexity(cfg: PerplexityConfig, resume: bool = False):
     of one vocabulary; word perplexity (the same total NLL over the words its blocks cover) also
     compares a student with a trimmed vocabulary to its teacher."""
     env = Dist()
-    results = []
+    results, first = [], None
     for path in cfg.models:
         tokenizer = load_tokenizer(path)
         blocks = data.text_blocks(tokenizer, cfg.text, cfg.seq_len)[: cfg.max_blocks]
@@ -370,13 +370,14 @@ def perplexity(cfg: PerplexityConfig, resume: bool = False):
             count += batch["labels"].numel()
         words = sum(len(tokenizer.decode(labels).split()) for _, labels in blocks)
         kinds = mixer_types(model)
+        vocabulary = tokenizer.get_vocab()
+        first = first or vocabulary
         results.append({"model": str(path), "attention_layers": kinds.count("attention"), "layers": len(kinds),
-                        "vocab_size": len(tokenizer), "ppl": float(torch.tensor(nll / count).exp()), "tokens": count,
+                        "vocab_size": len(tokenizer), "same_vocabulary": vocabulary == first, "ppl": float(torch.tensor(nll / count).exp()), "tokens": count,
                         "word_ppl": float(torch.tensor(nll / words).exp()), "words": words})
         del model
     for r in results:
-        same_vocab = r["vocab_size"] == results[0]["vocab_size"]
-        r["ratio"] = r["ppl"] / results[0]["ppl"] if same_vocab else None
+        r["ratio"] = r["ppl"] / results[0]["ppl"] if r.pop("same_vocabulary") else None
         r["word_ratio"] = r["word_ppl"] / results[0]["word_ppl"]
     if env.main:
         out = Path(cfg.out)
