@@ -85,9 +85,9 @@ def parse_args(doc: str, base: str) -> argparse.Namespace:
 
 def script_main(doc: str, base: str, run) -> int:
     """A real-run script's main: its command line (`parse_args`), then run(args), with a
-    TrainError as one line on stderr and a failed stage's exit status (it printed its own error)."""
+    TrainError as one line on stderr and a failed stage's exit status (it printed its own error).
+    The script puts hybrid_train on sys.path."""
     args = parse_args(doc, base)
-    sys.path.insert(0, str(HERE.parent))
     from transformers.utils import logging
 
     from hybrid_train.errors import TrainError
