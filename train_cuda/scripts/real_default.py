@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from real_run import check_corpus, finish, hf_model, make_prompts, script_main, stage, start  # noqa: E402
+from real_run import check_corpus, finish, head_dim, hf_model, make_prompts, script_main, stage, start  # noqa: E402
 
 from hybrid_train.errors import TrainError  # noqa: E402
 from hybrid_train.teacher import load_tokenizer  # noqa: E402
@@ -69,26 +69,23 @@ def questions(labels: Path, eos: int | None, min_chars: int) -> list[str]:
     return out
 
 
-def write_lines(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines))
-    return path
-
-
-def windows(texts: list[str], tokenizer, length: int, count: int) -> list[str]:
-    """The first `length` tokens of each text that is longer, as text (special tokens kept), at
-    most `count`. Prompts of one length generate in few batches: a hybrid base has no KV cache in
-    transformers, so `pseudo-labels` batches only prompts of equal length."""
+def windows(texts, tokenizer, length: int, count: int) -> list[str]:
+    """The first `length` tokens of the texts that are longer, as text (special tokens kept), the
+    first `count` of them. Prompts of one length generate in few batches: a hybrid base has no KV
+    cache in transformers, so `pseudo-labels` batches only prompts of equal length."""
     out = []
     for text in texts:
+        if len(out) == count:
+            break
         ids = tokenizer(text, add_special_tokens=False).input_ids
         window = tokenizer.decode(ids[:length])
-        if len(ids) > length and len(out) < count and "\ufffd" not in window:  # not cut inside a character
+        if len(ids) > length and "\ufffd" not in window:  # not cut inside a character
             out.append(window)
     return out
 
 
 def write_prompts(path: Path, prompts: list[str]) -> Path:
-    """A .jsonl prompt file: prompts may hold newlines (chat turns)."""
+    """A .jsonl prompt file (`pseudo-labels` reads .jsonl prompts as they are: they may hold newlines)."""
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return path
 
@@ -113,25 +110,22 @@ def run(args) -> int:
 
     p = s["news"]
     news_prompts = make_prompts(args.corpus / "train.txt", p["sentences"], p["stride"], p["max_prompts"])
-    news = labels("news", teacher, write_lines(out / "news.txt", news_prompts), False, sampled)
+    news = labels("news", teacher, write_prompts(out / "news-prompts.jsonl", news_prompts), False, sampled)
 
     q = dict(s["questions"])
     tokenizer = load_tokenizer(teacher)
     prefix = user_turn_prefix(tokenizer)
-    seeds = out / "question-prompts.jsonl"
-    seeds.write_text("".join(json.dumps({"prompt": prefix}) + "\n" for _ in range(q.pop("count"))))
+    seeds = write_prompts(out / "question-prompts.jsonl", [prefix] * q.pop("count"))
     ended_only, min_chars = q.pop("ended_only"), q.pop("min_chars")
     asked = questions(labels("questions", teacher, seeds, False, q), tokenizer.eos_token_id if ended_only else None, min_chars)
     if not asked:
         raise TrainError("the teacher wrote no usable questions: check its chat template")
-    chat = labels("chat", teacher, write_lines(out / "questions.txt", asked), True, sampled)
+    chat = labels("chat", teacher, write_prompts(out / "chat-prompts.jsonl", asked), True, sampled)
 
     student = out / "student"
     if not (student / "model" / "config.json").is_file():
-        config = json.loads((teacher / "config.json").read_text())
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         cfg = dict(s["student"], teacher=str(teacher), data=str(merge([news, chat], out / "distill.jsonl")),
-                   hybrid={"d_state": head_dim},  # Mamba2 heads = attention heads, as in MambaInLlama
+                   hybrid={"d_state": head_dim(teacher)},
                    text=[str(args.corpus / t) for t in s["student"].get("text", [])], out=str(student))
         stage("student", cfg, out, args.resume, timings, kind="distill")
 
@@ -141,7 +135,7 @@ def run(args) -> int:
     rows = [r["prompt_ids"] + r["response_ids"] for r in map(json.loads, (out / "distill.jsonl").read_text().splitlines())]
     random.Random(0).shuffle(rows)
     docs = [line for line in (args.corpus / "heldout.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
-    train_windows = windows([tokenizer.decode(r) for r in rows], student_tokenizer, context, count + held_count // 2)
+    train_windows = windows(map(tokenizer.decode, rows), student_tokenizer, context, count + held_count // 2)
     held = train_windows[count:] + windows(docs, student_tokenizer, context, held_count - held_count // 2)
     drafter_data = {name: labels(f"student-{name}", student / "model", write_prompts(out / f"student-{name}-prompts.jsonl", p), False, d)
                     for name, p in (("train", train_windows[:count]), ("heldout", held))}

@@ -53,6 +53,13 @@ def hf_model(path: str, dest: Path, timings: dict) -> Path:
     return dest
 
 
+def head_dim(model: Path) -> int:
+    """The attention head size of a model directory: hybrids' d_state (Mamba2 heads = attention
+    heads, as in MambaInLlama)."""
+    config = json.loads((model / "config.json").read_text())
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def stage(name: str, cfg: dict, out: Path, resume: bool, timings: dict, kind: str | None = None):
     """Run `python -m hybrid_train KIND` (KIND defaults from the name) on cfg, timing it under name."""
     path = out / "configs" / f"{name}.json"
@@ -130,8 +137,6 @@ def main() -> int:
     args = parse_args(__doc__, "teacher")
     settings, out, timings, began = start(args, SETTINGS, TINY)
     teacher = hf_model(args.teacher, out / "teacher", timings)
-    config = json.loads((teacher / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
     prompts = out / "prompts.txt"
     p = settings["prompts"]
@@ -146,7 +151,7 @@ def main() -> int:
         if not (model / "config.json").is_file():
             cfg = dict(settings[name], teacher=str(teacher), data=str(labels), out=str(out / name),
                        text=[str(args.corpus / t) for t in settings[name].get("text", [])],
-                       hybrid={"d_state": head_dim}, init=previous)
+                       hybrid={"d_state": head_dim(teacher)}, init=previous)
             stage(name, cfg, out, args.resume, timings)
         previous = str(model)
     report_file = out / "perplexity.json"
