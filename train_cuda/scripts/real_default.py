@@ -8,7 +8,7 @@ TEACHER: a Hugging Face Llama/Mistral directory or a .gguf file (converted once 
 needs the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a
 line (scripts/fetch_corpus.py). Stages (settings: configs/real_default.yaml; --tiny shrinks them):
 
-1. news: the teacher continues two-sentence windows of train.txt (sampled);
+1. news: the teacher continues two-sentence windows of train.txt (sampled, `samples` times each);
 2. questions: the teacher writes user turns itself (Magpie: its chat template up to the user's
    turn, sampled), deduplicated; chat: the teacher answers them (sampled);
 3. student: `distill` into a smaller student (`layers`, `vocab_size`: hybrid_train/shrink.py) with
@@ -16,7 +16,8 @@ line (scripts/fetch_corpus.py). Stages (settings: configs/real_default.yaml; --t
 4. drafter-labels: the student's own greedy continuations of windows of its training sequences
    (chat turns and news, the first `context` tokens); redrafter: the drafter distilled from the
    student along them, top-1 per step on continuations of other windows and of heldout.txt;
-5. perplexity of teacher and student on heldout.txt (word perplexity: the vocabularies differ).
+5. perplexity of teacher and student on heldout.txt and on held-out chat answers (the last
+   `questions.heldout`, kept out of the distillation data), as word perplexity: the vocabularies differ.
 
 A finished stage is skipped, so a killed run restarted with --resume goes on where it stopped.
 OUT/report.json gets the numbers and timings.
@@ -37,7 +38,7 @@ from hybrid_train.teacher import load_tokenizer  # noqa: E402
 SETTINGS = HERE.parent / "configs" / "real_default.yaml"
 TINY = {  # sizes for the CPU test of this script
     "news": {"max_prompts": 8},
-    "questions": {"count": 8, "max_new_tokens": 12, "batch_size": 4, "ended_only": False, "min_chars": 1},
+    "questions": {"count": 8, "heldout": 2, "max_new_tokens": 12, "batch_size": 4, "ended_only": False, "min_chars": 1},
     "pseudo-labels": {"max_new_tokens": 12, "batch_size": 4},
     "student": {"layers": [0, 1, 3], "vocab_size": 280, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1,
                 "save_every": 2},
@@ -90,6 +91,19 @@ def write_prompts(path: Path, prompts: list[str]) -> Path:
     return path
 
 
+def split_chat(chat: Path, heldout: int) -> tuple[Path, Path]:
+    """The chat answers but the last `heldout` (distillation data), and those as text, question and
+    answer on one line each (held-out chat perplexity)."""
+    rows = chat.read_text().splitlines()
+    if len(rows) <= heldout:
+        raise TrainError(f"{len(rows)} chat answers: fewer than heldout ({heldout}) + 1")
+    train = chat.with_name("chat-train.jsonl")
+    train.write_text("".join(r + "\n" for r in rows[:-heldout]))
+    text = chat.with_name("chat-heldout.txt")
+    text.write_text("".join(" ".join(f"{r['prompt']} {r['response']}".split()) + "\n" for r in map(json.loads, rows[-heldout:])))
+    return train, text
+
+
 def merge(paths: list[Path], out: Path) -> Path:
     out.write_text("".join(p.read_text() for p in paths))
     return out
@@ -110,21 +124,22 @@ def run(args) -> int:
 
     p = s["news"]
     news_prompts = make_prompts(args.corpus / "train.txt", p["sentences"], p["stride"], p["max_prompts"])
-    news = labels("news", teacher, write_prompts(out / "news-prompts.jsonl", news_prompts), False, sampled)
+    news = labels("news", teacher, write_prompts(out / "news-prompts.jsonl", news_prompts * p["samples"]), False, sampled)
 
     q = dict(s["questions"])
     tokenizer = load_tokenizer(teacher)
     prefix = user_turn_prefix(tokenizer)
     seeds = write_prompts(out / "question-prompts.jsonl", [prefix] * q.pop("count"))
-    ended_only, min_chars = q.pop("ended_only"), q.pop("min_chars")
+    ended_only, min_chars, held_chat = q.pop("ended_only"), q.pop("min_chars"), q.pop("heldout")
     asked = questions(labels("questions", teacher, seeds, False, q), tokenizer.eos_token_id if ended_only else None, min_chars)
     if not asked:
         raise TrainError("the teacher wrote no usable questions: check its chat template")
     chat = labels("chat", teacher, write_prompts(out / "chat-prompts.jsonl", asked), True, sampled)
+    chat_train, chat_heldout = split_chat(chat, held_chat)
 
     student = out / "student"
     if not (student / "model" / "config.json").is_file():
-        cfg = dict(s["student"], teacher=str(teacher), data=str(merge([news, chat], out / "distill.jsonl")),
+        cfg = dict(s["student"], teacher=str(teacher), data=str(merge([news, chat_train], out / "distill.jsonl")),
                    hybrid={"d_state": head_dim(teacher)},
                    text=[str(args.corpus / t) for t in s["student"].get("text", [])], out=str(student))
         stage("student", cfg, out, args.resume, timings, kind="distill")
@@ -146,15 +161,17 @@ def run(args) -> int:
                    eval_data=str(drafter_data["heldout"]))
         stage("redrafter", cfg, out, args.resume, timings)
 
-    ppl = out / "perplexity.json"
-    stage("perplexity", dict(s["perplexity"], models=[str(teacher), str(student / "model")],
-                             text=[str(args.corpus / "heldout.txt")], out=str(ppl)), out, False, timings)
+    ppl = {}
+    for name, text in (("news", args.corpus / "heldout.txt"), ("chat", chat_heldout)):
+        ppl[name] = out / f"perplexity-{name}.json"
+        stage(f"perplexity-{name}", dict(s["perplexity"], models=[str(teacher), str(student / "model")],
+                                         text=[str(text)], out=str(ppl[name])), out, False, timings, kind="perplexity")
     report = {
         "teacher": str(args.teacher),
         "corpus": str(args.corpus),
         "news_prompts": len(news_prompts),
         "questions": len(asked),
-        "perplexity": json.loads(ppl.read_text()),
+        "perplexity": {name: json.loads(path.read_text()) for name, path in ppl.items()},
         "redrafter": json.loads((redrafter / "report.json").read_text())["heldout"],
     }
     return finish(out, report, timings, began)

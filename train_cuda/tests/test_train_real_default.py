@@ -22,10 +22,14 @@ def test_real_default_script(tmp_path, teacher_dir, article_corpus):
     student = load_hybrid(out / "student" / "model")
     assert mixer_types(student) == ["attention", "mamba2", "attention"]
     assert student.config.vocab_size == 280 == len(load_tokenizer(out / "student" / "model"))
-    ppl = report["perplexity"]
-    assert [r["vocab_size"] for r in ppl] == [len(load_tokenizer(teacher_dir)), 280]
-    assert ppl[1]["ratio"] is None and ppl[1]["word_ppl"] > 1 and ppl[0]["word_ratio"] == 1.0
+    for ppl in report["perplexity"].values():  # news and held-out chat
+        assert [r["vocab_size"] for r in ppl] == [len(load_tokenizer(teacher_dir)), 280]
+        assert ppl[1]["ratio"] is None and ppl[1]["word_ppl"] > 1 and ppl[0]["word_ratio"] == 1.0
+    # The held-out chat answers are not in the distillation data.
+    lines = {name: (out / name).read_text().splitlines() for name in ("news.jsonl", "chat.jsonl", "distill.jsonl", "chat-heldout.txt")}
+    assert len(lines["news.jsonl"]) == 3 * 8  # 3 samples of each of the 8 windows
+    assert lines["distill.jsonl"] == lines["news.jsonl"] + lines["chat.jsonl"][:-2] and len(lines["chat-heldout.txt"]) == 2
     drafter = json.loads((out / "redrafter" / "redrafter" / "config.json").read_text())
     assert (drafter["vocab_size"], drafter["exit_dim"]) == (280, 64)
     assert len(report["redrafter"]["top1"]) == 2
-    assert set(report["seconds"]) >= {"news", "questions", "chat", "student", "redrafter", "perplexity", "total"}
+    assert set(report["seconds"]) >= {"news", "questions", "chat", "student", "redrafter", "perplexity-news", "perplexity-chat", "total"}
