@@ -19,7 +19,7 @@ app = typer.Typer(
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-MODEL_HELP = "Model directory (config.json, *.safetensors, tokenizer). Default: the embedded SmolLM2-135M-Instruct 4-bit."
+MODEL_HELP = "Model directory (config.json, *.safetensors, tokenizer). Default: the embedded distilled hybrid (4-bit, with its ReDrafter drafter)."
 
 
 def _load(model_dir: Optional[Path]):
@@ -27,16 +27,12 @@ def _load(model_dir: Optional[Path]):
     from mlx_hybrid.loader import load
 
     if model_dir is None:
-        from rich.progress import Progress
-
         from mlx_hybrid.default_model import default_model_path
 
-        with Progress(console=err, transient=True) as bar:
-            task = bar.add_task("Preparing the embedded default model (first run only)", total=None)
-            try:
-                model_dir = default_model_path(progress=lambda done, total: bar.update(task, completed=done, total=total))
-            except FileNotFoundError as e:
-                raise HybridError(str(e)) from None
+        try:
+            model_dir = default_model_path()
+        except FileNotFoundError as e:
+            raise HybridError(str(e)) from None
     with err.status(f"Loading {model_dir} ..."):
         return (*load(model_dir), model_dir)
 
@@ -230,7 +226,7 @@ def generate(
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Checkpoint: Hugging Face Llama/Mistral, MambaInLlama release or llama_hybrid."),
+    src: Path = typer.Argument(..., help="Checkpoint: Hugging Face Llama/Mistral, MambaInLlama release, llama_hybrid, or a Llama .gguf file."),
     dst: Path = typer.Argument(..., help="MLX model directory to write."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32. Default: as stored."),
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the linear layers and embeddings."),
@@ -239,6 +235,9 @@ def convert(
     recipe: str = typer.Option(
         "uniform", "--quant-recipe", help="uniform, or mixed: embeddings, LM head and SSM dt/gates stay float."
     ),
+    embed_bits: Optional[int] = typer.Option(
+        None, "--embed-bits", help="Bits for the embeddings and LM head (4, 5, 6 or 8; uniform recipe). Default: --bits."
+    ),
     force: bool = typer.Option(False, "--force", help="Replace DST if it exists."),
     verify: bool = typer.Option(False, "--verify", help="Compare source (PyTorch) and converted logits on samples."),
     medusa: Optional[Path] = typer.Option(None, "--medusa", help="Medusa heads (FasterDecoding layout) -> DST/medusa."),
@@ -246,19 +245,25 @@ def convert(
         None, "--redrafter", help="ReDrafter drafter (apple/ml-recurrent-drafter layout) -> DST/redrafter."
     ),
 ):
-    """Convert a PyTorch/Hugging Face checkpoint into an MLX model directory that --model takes."""
+    """Convert a PyTorch/Hugging Face checkpoint (or a llama.cpp GGUF file) into an MLX model directory that --model takes."""
     from rich.progress import Progress
 
+    from mlx_hybrid.convert.gguf import convert_gguf
     from mlx_hybrid.convert.hf import convert as convert_checkpoint
 
+    gguf = src.suffix == ".gguf"
+    if gguf and (quantize or embed_bits or recipe != "uniform" or verify or medusa or redrafter or force):
+        raise HybridError("a GGUF file keeps its own quantization: of the options, it takes only --dtype")
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("Converting tensors", total=None)
-        convert_checkpoint(
-            src, dst, dtype, quantize, bits, group_size, recipe, force,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-            medusa=medusa, redrafter=redrafter,
-        )
-    quant = f", {bits}-bit {recipe} (group size {group_size})" if quantize else ""
+        progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+        if gguf:
+            convert_gguf(src, dst, dtype, progress=progress)
+        else:
+            convert_checkpoint(src, dst, dtype, quantize, bits, group_size, recipe, force, progress=progress,
+                               medusa=medusa, redrafter=redrafter, embed_bits=embed_bits)
+    embed = f", embeddings {embed_bits}-bit" if embed_bits else ""
+    quant = f", {bits}-bit {recipe}{embed} (group size {group_size})" if quantize else ""
     out.print(f"Wrote {dst}{quant}", markup=False)
     if verify:
         from mlx_hybrid.convert.checkpoint import open_checkpoint

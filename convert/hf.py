@@ -11,7 +11,9 @@ and Embedding weights whose input width is a multiple of the group size are quan
 projections the runtime fuses (q/k/v, gate/up, Mamba's inputs), which share an input width,
 always share one quantization. The "mixed" recipe also keeps the embeddings, the LM head and the
 SSM's dt / DSLA gate projections in float: errors there are multiplied through every token's
-logits or compounded by the recurrence. The SSM's A_log, D, dt_bias and gamma are stored in
+logits or compounded by the recurrence. Where float embeddings cost too much (a small model's
+vocabulary is a large share of it), `embed_bits` gives the embeddings and the LM head more bits
+than the rest instead (mlx-lm's per-module overrides in the config, which mlx-lm also reads). The SSM's A_log, D, dt_bias and gamma are stored in
 float32 by every recipe (the runtime holds them in float32 anyway), conv and norm weights in
 the model dtype.
 """
@@ -39,6 +41,8 @@ from mlx_hybrid.loader import DTYPES
 from mlx_hybrid.models.hybrid import FP32_PARAMS
 
 BITS = (4, 8)
+EMBED_BITS = (4, 5, 6, 8)
+EMBEDDINGS = ("model.embed_tokens", "lm_head")
 GROUP_SIZES = (32, 64, 128)
 RECIPES = ("uniform", "mixed")
 SHARD_BYTES = 1 << 30  # small shards keep the converter's memory bounded (a shard is held until written)
@@ -46,7 +50,7 @@ SHARD_BYTES = 1 << 30  # small shards keep the converter's memory bounded (a sha
 
 def keeps_float(module: str) -> bool:
     """Modules the mixed recipe leaves unquantized: embeddings, LM head, Mamba's dt_proj, DSLA's gates."""
-    return module in ("model.embed_tokens", "lm_head") or module.endswith(".mamba.dt_proj") or ".dsla.gate" in module
+    return module in EMBEDDINGS or module.endswith(".mamba.dt_proj") or ".dsla.gate" in module
 
 
 def quantizes(name: str, shape: tuple[int, ...], group_size: int, recipe: str) -> bool:
@@ -98,8 +102,8 @@ def convert_tensor(name: str, a: mx.array, dtype: str | None, quant: dict | None
     if dtype:
         a = a.astype(DTYPES[dtype])
     if quant and quantizes(name, a.shape, quant["group_size"], recipe):
-        w, scales, biases = mx.quantize(a, quant["group_size"], quant["bits"])
         module = name.removesuffix(".weight")
+        w, scales, biases = mx.quantize(a, quant["group_size"], quant.get(module, quant)["bits"])
         return {name: w, f"{module}.scales": scales, f"{module}.biases": biases}
     return {name: a}
 
@@ -114,7 +118,7 @@ def output_config(checkpoint: Checkpoint, dtype: str | None, quant: dict | None)
     return config
 
 
-def _check_options(dtype, quantize, bits, group_size, recipe):
+def _check_options(dtype, quantize, bits, group_size, recipe, embed_bits):
     if dtype is not None and dtype not in DTYPES:
         raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     if bits not in BITS:
@@ -125,6 +129,11 @@ def _check_options(dtype, quantize, bits, group_size, recipe):
         raise HybridError(f"unknown quantization recipe '{recipe}' (choose from {', '.join(RECIPES)})")
     if recipe != "uniform" and not quantize:
         raise HybridError(f"--quant-recipe {recipe} needs -q/--quantize")
+    if embed_bits is not None:
+        if embed_bits not in EMBED_BITS:
+            raise HybridError(f"--embed-bits must be one of {', '.join(map(str, EMBED_BITS))}, got {embed_bits}")
+        if not quantize or recipe != "uniform":
+            raise HybridError("--embed-bits needs -q/--quantize and the uniform recipe (mixed keeps embeddings in float)")
 
 
 def convert(
@@ -140,16 +149,18 @@ def convert(
     shard_bytes: int = SHARD_BYTES,
     medusa: str | Path | None = None,
     redrafter: str | Path | None = None,
+    embed_bits: int | None = None,
 ) -> Path:
     """Write the MLX model directory for checkpoint `src` at `dst`; returns dst.
 
     medusa / redrafter: directories of heads in the FasterDecoding/Medusa or apple/ml-recurrent-drafter
     layout, converted alongside into dst/medusa/ and dst/redrafter/ (`mlx_hybrid/speculative/FORMAT.md`).
+    embed_bits: bits for the embeddings and LM head (default: bits).
     dtype None keeps each tensor's stored float dtype. Everything is written into a temporary
     directory beside dst and renamed at the end, so a failed or interrupted run leaves no dst;
     an existing dst is replaced only with force.
     """
-    _check_options(dtype, quantize, bits, group_size, recipe)
+    _check_options(dtype, quantize, bits, group_size, recipe, embed_bits)
     src, dst = Path(src), Path(dst)
     if dst.exists() or dst.is_symlink():
         if not force:
@@ -164,6 +175,11 @@ def convert(
     if quant and not any(quantizes(name, shape, group_size, recipe) for name, shape in expected.items()):
         raise HybridError(f"nothing to quantize: no layer's input width is a multiple of --group-size {group_size}")
     heads = []
+    if embed_bits is not None:  # per-module overrides, for the base model only (heads keep quant)
+        base_quant = dict(quant, **{m: {"group_size": group_size, "bits": embed_bits}
+                                    for m in EMBEDDINGS if quantizes(f"{m}.weight", expected.get(f"{m}.weight", ()), group_size, recipe)})
+    else:
+        base_quant = quant
     for kind, path, plan in (("medusa", medusa, medusa_plan), ("redrafter", redrafter, redrafter_plan)):
         if path is not None:
             file, head_config, shapes = plan(path, checkpoint.config)
@@ -176,7 +192,7 @@ def convert(
         done = 0
         for name, a in tensors(checkpoint):
             if name in expected:
-                for out_name, out in convert_tensor(name, a, dtype, quant, recipe).items():
+                for out_name, out in convert_tensor(name, a, dtype, base_quant, recipe).items():
                     mx.eval(out)
                     writer.add(out_name, out)
             done += 1
@@ -195,7 +211,7 @@ def convert(
         for file in TOKENIZER_FILES + TOKENIZER_EXTRAS:
             if (src / file).is_file():
                 shutil.copyfile(src / file, tmp / file)
-        config = output_config(checkpoint, dtype, quant)
+        config = output_config(checkpoint, dtype, base_quant)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _replace(tmp, dst)
     finally:

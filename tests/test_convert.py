@@ -30,7 +30,7 @@ from mlx_hybrid.convert.checkpoint import open_checkpoint
 from mlx_hybrid.convert.hf import convert
 from mlx_hybrid.convert.verify import verify
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.loader import load_model
+from mlx_hybrid.loader import load, load_model
 
 FLOAT_ATOL = 1e-4
 MIN_AGREEMENT = {8: 0.99, 4: 0.95}
@@ -484,3 +484,35 @@ def test_mismatched_heads_fail_in_one_line(monkeypatch, capsys, source, tmp_path
     code, _, err = run(monkeypatch, capsys, "convert", src, dst, "--redrafter", drafter)
     assert_one_line_error(code, err, "hidden_size 32 differs from the model's 64")
     assert not dst.exists() and not _leftovers(tmp_path, dst)
+
+
+def test_embed_bits_quantizes_embeddings_and_lm_head_apart_and_loads_in_mlx_lm(tmp_path):
+    """--embed-bits: embeddings and LM head as mx.quantize at those bits, the rest at --bits; the
+    per-module config entries are mlx-lm's, so mlx-lm loads the directory to the same logits."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    src = make_hf_model_dir(tmp_path / "src", seed=2, random_vectors=True)
+    dst = convert(src, tmp_path / "out", dtype="float32", quantize=True, bits=4, group_size=32, embed_bits=6)
+    config = json.loads((dst / "config.json").read_text())["quantization"]
+    assert config["model.embed_tokens"] == config["lm_head"] == {"group_size": 32, "bits": 6}
+    source = mx.load(str(src / "model.safetensors"))
+    stored = {}
+    for f in dst.glob("*.safetensors"):
+        stored.update(mx.load(str(f)))
+    for module, bits in (("model.embed_tokens", 6), ("lm_head", 6), ("model.layers.0.mlp.down_proj", 4)):
+        expected = mx.quantize(source[f"{module}.weight"].astype(mx.float32), 32, bits)
+        for part, a in zip(("weight", "scales", "biases"), expected):
+            assert mx.array_equal(stored[f"{module}.{part}"], a), (module, part)
+    ours, _ = load(dst)
+    theirs, _ = mlx_lm_load(str(dst))
+    x = mx.array([[3, 17, 29, 5, 101, 7]])
+    assert mx.allclose(ours(x), theirs(x), atol=1e-4).item()
+
+
+def test_embed_bits_needs_uniform_quantization(tmp_path):
+    src = make_hf_model_dir(tmp_path / "src")
+    with pytest.raises(HybridError, match="--embed-bits needs -q"):
+        convert(src, tmp_path / "out", embed_bits=6)
+    with pytest.raises(HybridError, match="--embed-bits must be one of"):
+        convert(src, tmp_path / "out", quantize=True, embed_bits=3)
+    assert not (tmp_path / "out").exists()
