@@ -10,6 +10,8 @@ with an index or not. Tensors are read one at a time (MLX loads safetensors lazi
 import ctypes
 import json
 import mmap
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -43,6 +45,16 @@ class Checkpoint:
     config: dict  # config.json in the runtime's terms (a MambaInLlama release's translated)
     files: list[Path]  # weight files, all safetensors or all PyTorch .bin
     shapes: dict[str, tuple[int, ...]]  # every tensor in the files, in file order
+
+
+def staging_dir(dst: Path) -> Path:
+    """An empty directory beside dst to write a conversion into and then rename to dst, with the
+    permissions a plain mkdir gives (mkdtemp's 0700 would make every converted model private)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -10,7 +10,6 @@ result is an ordinary mlx-lm-layout directory that mlx-lm loads too.
 
 import json
 import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from mlx_hybrid.convert.checkpoint import staging_dir
 from mlx_hybrid.errors import HybridError
 
 GROUP = 32  # block size of Q4_0, Q4_1 and Q8_0
@@ -273,7 +273,7 @@ def convert_gguf(
         ) from None
     config = read_config(reader)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp = staging_dir(dst)
     try:
         tensors, bits = {}, {}
         for i, (module, arrays, b) in enumerate(convert_tensors(reader, config, dtype)):

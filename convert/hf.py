@@ -33,6 +33,7 @@ from mlx_hybrid.convert.checkpoint import (
     check_shapes,
     file_tensors,
     open_checkpoint,
+    staging_dir,
     tensors,
 )
 from mlx_hybrid.convert.heads import check, medusa_plan, output_name, redrafter_plan
@@ -186,7 +187,7 @@ def convert(
             check(kind, file, shapes)
             heads.append((kind, file, dict(head_config, **({"quantization": quant} if quant else {}))))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp = staging_dir(dst)
     try:
         writer = ShardWriter(tmp, shard_bytes)
         done = 0

@@ -516,3 +516,15 @@ def test_embed_bits_needs_uniform_quantization(tmp_path):
     with pytest.raises(HybridError, match="--embed-bits must be one of"):
         convert(src, tmp_path / "out", quantize=True, embed_bits=3)
     assert not (tmp_path / "out").exists()
+
+
+def test_converted_directory_has_mkdir_permissions(tmp_path):
+    """The output is written in a temporary directory and renamed: it must not keep mkdtemp's 0700."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        dst = convert(make_hf_model_dir(tmp_path / "src"), tmp_path / "out")
+    finally:
+        os.umask(umask)
+    assert dst.stat().st_mode & 0o777 == 0o755
