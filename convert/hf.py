@@ -13,8 +13,8 @@ always share one quantization. The "mixed" recipe also keeps the embeddings, the
 SSM's dt / DSLA gate projections in float: errors there are multiplied through every token's
 logits or compounded by the recurrence. Where float embeddings cost too much (a small model's
 vocabulary is a large share of it), `embed_bits` gives the embeddings and the LM head more bits
-than the rest instead (mlx-lm's per-module overrides in the config, which mlx-lm also reads). The SSM's A_log, D, dt_bias and gamma are stored in
-float32 by every recipe (the runtime holds them in float32 anyway), conv and norm weights in
+than the rest instead (mlx-lm's per-module config entries, which mlx-lm also reads). The SSM's
+A_log, D, dt_bias and gamma are stored in float32 by every recipe (the runtime holds them in float32 anyway), conv and norm weights in
 the model dtype.
 """
 
@@ -176,11 +176,10 @@ def convert(
     if quant and not any(quantizes(name, shape, group_size, recipe) for name, shape in expected.items()):
         raise HybridError(f"nothing to quantize: no layer's input width is a multiple of --group-size {group_size}")
     heads = []
-    if embed_bits is not None:  # per-module overrides, for the base model only (heads keep quant)
-        base_quant = dict(quant, **{m: {"group_size": group_size, "bits": embed_bits}
-                                    for m in EMBEDDINGS if quantizes(f"{m}.weight", expected.get(f"{m}.weight", ()), group_size, recipe)})
-    else:
-        base_quant = quant
+    base_quant = quant
+    if embed_bits is not None:  # per-module entries, for the base model only: the heads keep quant
+        embeddings = [m for m in EMBEDDINGS if f"{m}.weight" in expected and quantizes(f"{m}.weight", expected[f"{m}.weight"], group_size, recipe)]
+        base_quant = dict(quant, **{m: {"group_size": group_size, "bits": embed_bits} for m in embeddings})
     for kind, path, plan in (("medusa", medusa, medusa_plan), ("redrafter", redrafter, redrafter_plan)):
         if path is not None:
             file, head_config, shapes = plan(path, checkpoint.config)
