@@ -7,7 +7,6 @@ then `hybrid convert`).
 
 from pathlib import Path
 
-NAME = "mlx-hybrid-default"
 PATH = Path(__file__).parent / "data" / "default"
 
 

@@ -3,8 +3,6 @@ exact greedy speculative decoding with its own ReDrafter drafter against plain g
 
 import json
 
-import pytest
-
 from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.default_model import PATH, default_model_path
 from mlx_hybrid.generate import stream_generate
@@ -12,12 +10,6 @@ from mlx_hybrid.loader import load
 from mlx_hybrid.speculative import load_proposer, speculative_generate
 
 BUDGET = 25_000_000  # bytes of package data for the default model and its drafter
-
-
-@pytest.fixture(scope="module")
-def default():
-    model, tokenizer = load(default_model_path())
-    return model, tokenizer
 
 
 def test_default_model_fits_the_package_budget():
@@ -36,11 +28,11 @@ def test_default_model_is_the_distilled_4bit_hybrid_with_its_drafter():
     assert drafter["vocab_size"] == config["vocab_size"] and drafter["quantization"]["bits"] == 4
 
 
-def test_default_model_speculative_greedy_equals_plain_greedy(default):
+def test_default_model_speculative_greedy_equals_plain_greedy():
     """Its drafter only speeds decoding up: greedy output with it is plain greedy output, token for token."""
-    model, tokenizer = default
+    model, tokenizer = load(default_model_path())
     prompt = ChatSession(model, tokenizer).render([{"role": "user", "content": "Give me three tips for staying healthy."}])
     plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24)]
     proposer = load_proposer("redrafter", model, PATH)
-    drafted = [r.token for r in speculative_generate(model, tokenizer, prompt, proposer, max_tokens=24) ]
+    drafted = [r.token for r in speculative_generate(model, tokenizer, prompt, proposer, max_tokens=24)]
     assert len(plain) == 24 and drafted == plain
