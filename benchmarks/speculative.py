@@ -43,6 +43,11 @@ from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
 from mlx_hybrid.tune import PROMPTS_FILE  # noqa: E402
 
+# Chat questions the SmolLM2 teacher wrote itself (Magpie) in the default model's training run
+# (train_cuda/scripts/real_default.py), its last 128: held out from the default's distillation and
+# drafter data, and dropped from the heads run's data (real_heads.py).
+CHAT_PROMPTS = BENCH_DIR / "chat_prompts.txt"
+
 
 def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
     """Medusa heads (Medusa's initialization), a random drafter and a layer-truncated draft, in
@@ -171,6 +176,8 @@ def main(argv=None) -> int:
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-weight target in this shape")
     p.add_argument("--prompt-tokens", type=int, default=128, help="synthetic: random prompt length")
     p.add_argument("--prompts", type=int, default=4, help="--model: held-out prompts per trial")
+    p.add_argument("--prompt-set", choices=("chat", "news"), default="chat",
+                   help="--model: chat questions (chat_prompts.txt, in the chat template) or news openings")
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (ours and mlx-lm's)")
@@ -196,6 +203,12 @@ def main(argv=None) -> int:
     if args.synthetic:
         prompts = [mx.random.randint(0, ours.args.vocab_size, (args.prompt_tokens,), key=mx.random.key(0)).tolist()]
         prompt_desc = f"{args.prompt_tokens} random prompt tokens"
+    elif args.prompt_set == "chat":  # questions held out from every training run (chat_prompts.txt)
+        tokenizer = load_tokenizer(target_dir)
+        lines = CHAT_PROMPTS.read_text().splitlines()[: args.prompts]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in lines]
+        prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+        prompt_desc = f"each of {len(prompts)} held-out chat questions"
     else:  # real text: the held-out half of the shipped prompts (the tuner calibrates on the other half)
         tokenizer = load_tokenizer(target_dir)
         lines = PROMPTS_FILE.read_text().splitlines()
@@ -224,7 +237,7 @@ def main(argv=None) -> int:
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
                   dtype=str(compute_dtype(ours)).split(".")[-1], args={k: str(v) for k, v in vars(args).items()},
                   rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    slug = slugify(f"speculative {args.synthetic or args.model.name} {label}")
+    slug = slugify(f"speculative {args.synthetic or args.model.name} {'' if args.synthetic else args.prompt_set} {label}")
     out_dir = BENCH_DIR / "results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
@@ -232,9 +245,11 @@ def main(argv=None) -> int:
     lines = [f"<!-- results:{slug} -->", f"### Speculative decoding: {result['model']}, {result['dtype']}, {label}", "",
              f"`{command}` (greedy, {args.gen_tokens} tokens after {prompt_desc}, median of {args.trials})", "",
              *([] if "mlx-lm plain" in run else ["mlx-lm cannot load this model (a hybrid: it has no Mamba/DSLA layers), so it has no rows.", ""]),
-             "| method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | same tokens |", "| --- | ---: | ---: | ---: | :---: |"]
+             "| method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | ms / target pass | same tokens |",
+             "| --- | ---: | ---: | ---: | ---: | :---: |"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['tps']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {'yes' if r['same'] else 'no'} |")
+        ms = 1000 * r["tokens_per_step"] / r["tps"]
+        lines.append(f"| {r['method']} | {r['tps']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {ms:.2f} | {'yes' if r['same'] else 'no'} |")
     lines += ["", f"![tokens/s]({'results/' + slug + '.png'})", f"<!-- /results:{slug} -->"]
     section = "\n".join(lines)
     print(section)

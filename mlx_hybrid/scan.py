@@ -48,7 +48,8 @@ def selective_scan_ref(
     A: (1 or n, channels), negative; B, C: (batch, L, groups, n); D: (channels,);
     state: (batch, n, channels) float32, the state before the first token;
     save: positions in [0, L) whose states to return (default: the last);
-    parents: for a tree of tokens, each token's parent position (-1: the cached state).
+    parents: for a tree of tokens, each token's parent position (-1: the cached state); a list, or
+        an int32 array built on the device (the kernels read it there, this reference on the host).
     Returns y (batch, L, channels) in x's dtype and the saved states (batch, len(save), n, channels).
     """
     b, L, d = x.shape
@@ -60,7 +61,7 @@ def selective_scan_ref(
     Cc = mx.repeat(C.astype(mx.float32), expand, axis=2).transpose(0, 1, 3, 2)
     xf, dtf, Af = x.astype(mx.float32), dt.astype(mx.float32), A.astype(mx.float32)
     h0 = state.astype(mx.float32)
-    parents = list(range(-1, L - 1)) if parents is None else list(parents)
+    parents = list(range(-1, L - 1)) if parents is None else (parents.tolist() if isinstance(parents, mx.array) else list(parents))
     ys, hs = [], []
     for t in range(L):
         h = h0 if parents[t] < 0 else hs[parents[t]]
@@ -101,11 +102,13 @@ def _check_inputs(x, dt, A, B, C, D, state, save, parents=None) -> list[int]:
     save = [L - 1] if save is None else [int(p) for p in save]
     if not save or any(not 0 <= p < L for p in save) or any(p >= q for p, q in zip(save, save[1:])):
         raise ValueError(f"save must be non-empty, ascending, unique positions in [0, {L}), got {save}")
-    if parents is not None:
-        if len(parents) != L or any(not -1 <= p < t for t, p in enumerate(parents)):
-            raise ValueError(f"parents must give each of the {L} tokens an earlier position or -1, got {list(parents)}")
-        if save != list(range(L)):
-            raise ValueError("a tree scan returns every node's state: save must be all positions")
+    if isinstance(parents, mx.array):  # built on the device: reading its values would wait for them
+        if parents.shape != (L,):
+            raise ValueError(f"parents must give each of the {L} tokens a parent, got shape {parents.shape}")
+    elif parents is not None and (len(parents) != L or any(not -1 <= p < t for t, p in enumerate(parents))):
+        raise ValueError(f"parents must give each of the {L} tokens an earlier position or -1, got {list(parents)}")
+    if parents is not None and save != list(range(L)):
+        raise ValueError("a tree scan returns every node's state: save must be all positions")
     # The kernels index with 32-bit ints; the saved states are the largest array.
     if max(x.size, B.size, b * len(save) * n * d) >= 2**31:
         raise ValueError("selective_scan: arrays of 2**31 or more elements are not supported")
@@ -169,7 +172,7 @@ def _launch(backend, x, dt, A, B, C, D, state, save, parents=None):
     n = B.shape[3]
     y, states = _kernel(backend)(
         inputs=[x, dt, A.astype(mx.float32), B, C, D.astype(mx.float32), state.astype(mx.float32),
-                mx.array(save, dtype=mx.int32), mx.array([-1] if parents is None else parents, dtype=mx.int32)],
+                mx.array(save, dtype=mx.int32), mx.array([-1] if parents is None else parents).astype(mx.int32)],
         # T, Tdt, Tbc name every input dtype: MLX caches a compiled CUDA kernel by its name,
         # which holds the template arguments only.
         template=[("T", x.dtype), ("Tdt", dt.dtype), ("Tbc", B.dtype), ("N", n), ("NA", A.shape[0]),

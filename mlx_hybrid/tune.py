@@ -33,6 +33,7 @@ from mlx_hybrid.generate import SamplingParams, generate_step, prefill
 from mlx_hybrid.profiles import Settings, device_name, model_key
 from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps
+from mlx_hybrid.speculative.redrafter import trims_padding
 from mlx_hybrid.speculative.tree import Tree, expected_length, greedy_paths
 
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -166,8 +167,9 @@ def tune(
             for length, acc, cand in zip(s.lengths, s.accepted.mean(1), s.candidates.mean(1)):
                 settings = Settings(s.width, length)
                 p = load_proposer("redrafter", model, model_dir, settings=settings)
-                draft = _median_seconds(lambda: p.propose(history, hidden, SamplingParams()), 3)
-                step = _cost(verify, cand, s.width > 1) + draft
+                draft = _median_seconds(lambda: mx.eval(p.draft(mx.array(history[-1:]), hidden).arrays()), 3)
+                verified = cand if trims_padding() else s.width * (length - 1) + 1  # a packed beam's padding
+                step = _cost(verify, verified, s.width > 1) + draft
                 rows.append(dict(beam_width=s.width, beam_length=length, tokens_per_step=1 + float(acc), candidates=float(cand),
                                  draft_seconds=draft, predicted_tps=(1 + acc) / step))
             report("drafting cost", len(rows), len(stats) * len(stats[0].lengths))
@@ -186,7 +188,7 @@ def tune(
             paths = greedy_paths(acc, size)
             settings = Settings(medusa_choices=paths)
             p = load_proposer("medusa", model, model_dir, settings=settings)
-            draft = _median_seconds(lambda: p.propose(history, hidden, SamplingParams()), 3)
+            draft = _median_seconds(lambda: mx.eval(p.draft(mx.array(history[-1:]), hidden).arrays()), 3)
             per_step = expected_length(paths, acc)
             step = _cost(verify, size + 1, p.tree.tree.mask is not None) + draft
             rows.append(dict(tree_size=size, medusa_choices=paths, tokens_per_step=per_step, draft_seconds=draft,

@@ -25,7 +25,7 @@ TREE = [-1, 0, 0, 1, 1, 2, -1, 3, 7, 6]
 
 def test_ancestor_index():
     # K = 4: positions 0-2 are the cached window, node t sits at 3 + t.
-    idx = np.array(ancestor_index([-1, 0, 0, 1, -1], 4))
+    idx = np.array(ancestor_index(mx.array([-1, 0, 0, 1, -1]), 4))
     assert idx.tolist() == [[0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5], [2, 3, 4, 6], [0, 1, 2, 7]]
 
 
@@ -35,8 +35,15 @@ def model(tmp_path_factory):
     return load_model(path, "float32")
 
 
+def device_tree(parents: list[int]) -> Tree:
+    """The tree as `pack_beams` builds it: parents as an array on the device."""
+    host = Tree.from_parents(parents)
+    return Tree(mx.array(parents, mx.int32), host.depths, host.mask)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["mamba", "mamba2", "dsla"])
-def test_tree_pass_equals_decoding_each_path(model, layer):
+def test_tree_pass_equals_decoding_each_path(model, layer, where):
     mixer = model.layers[layer].mixer
     hidden = model.args.hidden_size
     rng = np.random.default_rng(layer)
@@ -46,7 +53,7 @@ def test_tree_pass_equals_decoding_each_path(model, layer):
     cache = StateCache()
     mixer(prefix, cache)
     start = cache.snapshot()
-    out = mixer(nodes, cache, parents=TREE)
+    out = mixer(nodes, cache, Tree.from_parents(TREE) if where == "host" else device_tree(TREE))
     assert cache.snapshot() == start  # a verification pass alone does not advance the cache
 
     for node in range(len(TREE)):

@@ -195,23 +195,24 @@ def test_rejection_sampling_matches_target_synthetic():
         x = rng.choice(V, width, p=q1)
         y = np.array([rng.choice(V, p=q2[a]) for a in x])
         packed = pack_beams(np.stack([np.full(width, 9), x, y], axis=1))
-        T = len(packed.tokens)
+        T = packed.count.item()
+        tokens, parents, node_of = np.array(packed.tokens)[:T], packed.tree.parents[:T].tolist(), np.array(packed.node_of)
         q, p = np.zeros((T, V + 10)), np.zeros((T, V + 10))
         drafts = {}
         for b in range(width):
             for l in range(2):
-                drafts.setdefault(int(packed.node_of[b, l]), []).append(int(packed.node_of[b, l + 1]))
+                drafts.setdefault(int(node_of[b, l]), []).append(int(node_of[b, l + 1]))
         for t in range(T):
-            depth = 0 if t == 0 else (1 if packed.parents[t] == 0 else 2)
-            tok = packed.tokens[t]
+            depth = 0 if t == 0 else (1 if parents[t] == 0 else 2)
+            tok = tokens[t]
             if depth == 0:
                 p[t, :V], q[t, :V] = p1, q1
             elif depth == 1:
                 p[t, :V], q[t, :V] = p2[tok], q2[tok]
             else:
                 p[t, :V] = 1.0 / V
-        path, nxt = accept.rejection(Candidates(packed.tokens, packed.parents, drafts=drafts, q=q), p, rng)
-        emitted = [int(packed.tokens[t]) for t in path[1:]] + [nxt]
+        path, nxt = accept.rejection(Candidates(tokens, parents, drafts=drafts, q=q), p, rng)
+        emitted = [int(tokens[t]) for t in path[1:]] + [nxt]
         firsts[emitted[0]] += 1
         if len(emitted) >= 2:
             seconds[emitted[0], emitted[1]] += 1

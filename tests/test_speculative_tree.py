@@ -97,9 +97,14 @@ def test_greedy_paths():
 def test_pack_beams_hand_example():
     beams = [[5, 1, 2], [5, 1, 3], [5, 4, 2], [5, 1, 2]]
     packed = pack_beams(beams)
-    assert packed.tokens.tolist() == [5, 1, 2, 3, 4, 2]
-    assert packed.parents == [-1, 0, 1, 1, 0, 4]
+    # 6 unique prefixes, then padding up to 4 x 2 + 1 = 9 nodes, each a root of its own.
+    assert packed.count.item() == 6
+    assert packed.tokens.tolist() == [5, 1, 2, 3, 4, 2, 0, 0, 0]
+    assert packed.tree.parents.tolist() == [-1, 0, 1, 1, 0, 4, -1, -1, -1]
+    assert packed.tree.depths.tolist() == [0, 1, 2, 2, 1, 2, 0, 0, 0]
     assert packed.node_of.tolist() == [[0, 1, 2], [0, 1, 3], [0, 4, 5], [0, 1, 2]]
+    mask = ancestor_mask(packed.tree.parents.tolist())
+    assert np.array(packed.tree.mask).tolist() == mask.tolist()
 
 
 def test_pack_beams_random():
@@ -108,13 +113,19 @@ def test_pack_beams_random():
         beams = rng.integers(0, 3, (6, 4))
         beams[:, 0] = 7
         p = pack_beams(beams)
-        prefixes = [tuple(p.tokens[path_to(p.parents, t)]) for t in range(len(p.tokens))]
+        n = p.count.item()
+        tokens, parents, node_of = np.array(p.tokens), p.tree.parents.tolist(), np.array(p.node_of)
+        assert len(tokens) == 6 * 3 + 1
+        prefixes = [tuple(tokens[path_to(parents, t)]) for t in range(n)]
         # Exactly the distinct prefixes of the beams, each once, parents before children.
         assert sorted(prefixes) == sorted({tuple(b[: l + 1]) for b in beams.tolist() for l in range(4)})
-        assert all(-1 <= par < t for t, par in enumerate(p.parents))
+        assert all(-1 <= par < t for t, par in enumerate(parents))
+        assert parents[n:] == [-1] * (len(tokens) - n) and node_of.max() < n  # padding: unreachable roots
         for b in range(6):
-            assert p.tokens[p.node_of[b]].tolist() == beams[b].tolist()
-            assert [p.parents[n] for n in p.node_of[b]] == [-1] + p.node_of[b, :-1].tolist()
+            assert tokens[node_of[b]].tolist() == beams[b].tolist()
+            assert [parents[i] for i in node_of[b]] == [-1] + node_of[b, :-1].tolist()
+        assert np.array(p.tree.mask).tolist() == ancestor_mask(parents).tolist()
+        assert np.array(p.tree.depths).tolist() == tree_depths(parents).tolist()
 
 
 def test_kv_cache_accept_compacts():
@@ -177,3 +188,35 @@ def test_chain_pass_then_accept_is_a_trim(model):
     accept_path(cache, [0, 1])
     got = model(mx.array([chain[2:3]]), cache)
     np.testing.assert_allclose(np.array(got[0, -1]), np.array(ref[0, len(prefix) + 2]), atol=ATOL)
+
+
+def test_greedy_rows_equals_host_greedy():
+    """Device-side greedy acceptance over a tree's rows against the host walk (`accept.greedy`), on
+    Medusa trees and packed beams whose tokens often match the argmax (so long paths occur).
+    Siblings hold distinct tokens, as both proposers make them."""
+    from mlx_hybrid.speculative.accept import Candidates, Draft, greedy, greedy_rows
+
+    rng = np.random.default_rng(4)
+    V = 5
+    medusa = MedusaTree(cartesian_paths([2, 2, 1]))
+    for trial in range(60):
+        if trial % 2:
+            beams = rng.integers(0, 3, (4, 4))
+            beams[:, 0] = 1
+            packed = pack_beams(beams)
+            n = packed.count.item()
+            draft = Draft(packed.tokens, packed.tree, packed.node_of)
+            parents = packed.tree.parents[:n].tolist()
+        else:
+            top = [mx.array(rng.permutation(3)) for _ in medusa.topk]  # each head's distinct top-k
+            draft = Draft(medusa.tokens(mx.array([1]), top), medusa.tree, mx.array(medusa.retrieve))
+            n, parents = len(medusa), medusa.parents
+        logits = mx.array(rng.standard_normal((len(draft.tokens), V)).astype(np.float32))
+        logits[:, :3] += 4  # the argmax is usually one of the drafted tokens
+        path, nxt = greedy(Candidates(np.array(draft.tokens)[:n], parents), logits[:n])
+        info, last = greedy_rows(draft, logits)
+        info = info.tolist()
+        width = (len(info) - 2) // 2
+        assert info[0] == len(path) - 1 and info[1] == nxt and last.item() == path[-1]
+        assert info[2 : 3 + info[0]] == path
+        assert info[3 + width : 3 + width + info[0]] == np.array(draft.tokens)[path[1:]].tolist()

@@ -19,7 +19,6 @@ import mlx.nn as nn
 from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.models import llama
 from mlx_hybrid.scan import kernel_backend, selective_scan, ssm_step
-from mlx_hybrid.speculative.tree import ancestor_mask
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
 LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")
@@ -93,18 +92,18 @@ def expand_groups(t: mx.array, size: int, repeats: int) -> mx.array:
     return mx.repeat(t.reshape(*lead, d // size, 1, size), repeats, axis=-2).reshape(*lead, d * repeats)
 
 
-def ancestor_index(parents: list[int], K: int) -> mx.array:
+def ancestor_index(parents: mx.array, K: int) -> mx.array:
     """For each node of a candidate tree, the positions of its last K conv inputs (itself last)
-    in [the K-1 cached inputs; the nodes]: a node's predecessors are its ancestors, then the cache."""
-    rows = []
-    for t in range(len(parents)):
-        row = [K - 1 + t]
-        while len(row) < K:
-            p = row[-1]
-            parent = parents[p - (K - 1)] if p >= K - 1 else None
-            row.append(p - 1 if parent is None else (K - 1 + parent if parent >= 0 else K - 2))
-        rows.append(row[::-1])
-    return mx.array(rows)
+    in [the K-1 cached inputs; the nodes]: a node's predecessors are its ancestors, then the cache.
+    Built on the device from the parents (a packed beam's are known only there)."""
+    T = parents.shape[0]
+    # The input before each position of [cache; nodes]: a node's parent, the last cached input for
+    # a root, the previous cached input within the cache (position 0 is never stepped back from).
+    before = mx.concatenate([mx.arange(-1, K - 2), mx.where(parents >= 0, parents + K - 1, K - 2)])
+    cols = [mx.arange(K - 1, K - 1 + T)]
+    for _ in range(K - 1):
+        cols.append(before[cols[-1]])
+    return mx.stack(cols[::-1], axis=1)
 
 
 # Decode steps are chains of small ops; compiling the elementwise stretches between the matmuls
@@ -173,7 +172,7 @@ class CausalConv(nn.Module):
             out = out + self.bias.astype(x.dtype)
         return out, xp[:, L:]
 
-    def tree(self, x: mx.array, window: mx.array | None, parents: list[int]):
+    def tree(self, x: mx.array, window: mx.array | None, tree):
         """Convolve the nodes of a candidate tree, each over its own ancestors; also return a
         function giving the window after any node."""
         B, T, C = x.shape
@@ -181,7 +180,7 @@ class CausalConv(nn.Module):
         if window is None:
             window = mx.zeros((B, K - 1, C), x.dtype)
         xp = mx.concatenate([window.astype(x.dtype), x], axis=1)
-        idx = ancestor_index(parents, K)
+        idx = ancestor_index(tree.parent_array(), K)
         out = (xp[:, idx] * self.weight[:, 0, :].T.astype(x.dtype)).sum(axis=2)
         if "bias" in self:
             out = out + self.bias.astype(x.dtype)
@@ -223,10 +222,10 @@ class Mamba(nn.Module):
         x, z, Bm, Cm, dt = _mamba_inputs(self.in_proj(u), self.d_xb, self.d_inner, self.d_state, self.repeats)
         return x, z, Bm, Cm, self.dt_proj(dt) + self.dt_proj.bias
 
-    def __call__(self, u: mx.array, cache: StateCache, parents: list[int] | None = None) -> mx.array:
-        """Advance the cache over u; with `parents`, u is a candidate tree (see `StateCache.accept`)."""
+    def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
+        """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
-        if u.shape[1] == 1 and parents is None and (backend := kernel_backend()):
+        if u.shape[1] == 1 and tree is None and (backend := kernel_backend()):
             proj = self.in_proj(u)
             dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
             d_xb, d_inner = self.d_xb, self.d_inner
@@ -238,9 +237,9 @@ class Mamba(nn.Module):
             return self.out_proj(y)
         x, z, Bm, Cm, dt = self.project(u)
         A = -mx.exp(self.A_log.astype(mx.float32)).T
-        if parents is not None:
-            x, window_after = self.conv1d.tree(x, window, parents)
-            y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state, range(len(parents)), parents)
+        if tree is not None:
+            x, window_after = self.conv1d.tree(x, window, tree)
+            y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state, range(len(tree)), tree.parents)
             cache.pending = lambda node: [window_after(node), states[:, node]]
             return self.out_proj(_silu_gate(y, z))
         x, window = self.conv1d(x, window)
@@ -267,13 +266,13 @@ class Mamba2(nn.Module):
         self.norm = nn.RMSNorm(self.d_inner)  # weight only: normalized per head below
         self.out_proj = nn.Linear(self.d_inner, args.hidden_size, bias=False)
 
-    def __call__(self, u: mx.array, cache: StateCache, parents: list[int] | None = None) -> mx.array:
-        """Advance the cache over u; with `parents`, u is a candidate tree (see `StateCache.accept`)."""
+    def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
+        """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
         B_, L, _ = u.shape
         n, r = self.d_state, self.repeats
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
         proj = self.in_proj(u)
-        if L == 1 and parents is None and (backend := kernel_backend()):
+        if L == 1 and tree is None and (backend := kernel_backend()):
             y, window, state = ssm_step(
                 proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
                 state, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
@@ -281,13 +280,13 @@ class Mamba2(nn.Module):
             cache.update([window, state], 1)
             return self.out_proj(_head_rms_norm(y, self.norm.weight, n, self.eps))
         z, xBC, dt = mx.split(proj, [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
-        if parents is not None:
-            xBC, window_after = self.conv1d.tree(xBC, window, parents)
+        if tree is not None:
+            xBC, window_after = self.conv1d.tree(xBC, window, tree)
         else:
             xBC, window = self.conv1d(xBC, window)
         x, Bm, Cm, dt, A, D = _mamba2_inputs(xBC, dt, self.dt_bias, self.A_log, self.D, self.d_xb, n, r)
-        if parents is not None:
-            y, states = selective_scan(x, dt, A, Bm, Cm, D, state, range(L), parents)
+        if tree is not None:
+            y, states = selective_scan(x, dt, A, Bm, Cm, D, state, range(L), tree.parents)
             cache.pending = lambda node: [window_after(node), states[:, node]]
         else:
             y, states = selective_scan(x, dt, A, Bm, Cm, D, state)
@@ -366,8 +365,8 @@ class DSLA(nn.Module):
         B, L, _ = t.shape
         return t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, u: mx.array, cache: StateCache, parents: list[int] | None = None) -> mx.array:
-        """Advance the cache over u; with `parents`, u is a candidate tree (see `StateCache.accept`)."""
+    def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
+        """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
         B, L, _ = u.shape
         qkv = self._heads(self.qkv_proj(u))
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
@@ -377,8 +376,8 @@ class DSLA(nn.Module):
         g1 = self._heads(nn.log_sigmoid(self.gate1_up(self.gate1_down(u)).astype(mx.float32)) / self.gate_norm)
         g2 = self._heads(nn.log_sigmoid(self.gate2_up(self.gate2_down(u)).astype(mx.float32)) / self.gate_norm)
         s1, s2 = cache.arrays or [mx.zeros((B, self.n_heads, self.head_dim, self.head_dim))] * 2
-        if parents is not None:
-            visible = mx.array(ancestor_mask(parents))
+        if tree is not None:
+            visible = tree.visible()
             (o1, after1), (o2, after2) = (gated_linear_attention_tree(q, k, v, g, s, visible) for g, s in ((g1, s1), (g2, s2)))
             cache.pending = lambda node: [after1(node), after2(node)]
         else:
@@ -420,11 +419,7 @@ class HybridLayer(nn.Module):
         attention sees the tree's positions and mask, a recurrent layer its parents."""
         kind = "dsla" if self.kind == "attention" and isinstance(cache, StateCache) else self.kind
         mixer = self[MIXER_NAME[kind]]
-        x_norm = self.input_layernorm(x)
-        if tree is None:
-            h = x + mixer(x_norm, cache)
-        else:
-            h = x + mixer(x_norm, cache, tree if kind == "attention" else tree.parents)
+        h = x + mixer(self.input_layernorm(x), cache, tree)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

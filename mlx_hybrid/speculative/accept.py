@@ -4,7 +4,8 @@ Every rule walks the candidate tree from node 0 (the target's own token, always 
 returns the accepted path plus the next token, drawn from the target at the path's last node:
 
 - `greedy`: a child is accepted when it is the target's argmax at its parent. The output is
-  exactly plain greedy decoding.
+  exactly plain greedy decoding. `greedy_rows` is the same rule on the device, over the tree's
+  root-to-leaf rows, for the greedy loop that never waits on the host between passes.
 - `rejection`: speculative sampling (Leviathan et al., Chen et al.), generalized to several drafts
   per node as in SpecInfer: the drafts below a node, drawn independently from the draft
   distribution q, are tried in order; draft x is accepted with probability min(1, r(x) / q(x)),
@@ -56,6 +57,19 @@ class Candidates:
         return out
 
 
+@dataclass
+class Draft:
+    """A greedy proposer's candidates, left on the device: tokens (T,), the `Tree`, and rows
+    (R, depth + 1) int32, the nodes of each root-to-leaf candidate, padded with -1."""
+
+    tokens: mx.array
+    tree: Tree
+    rows: mx.array
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.tree.parents, self.tree.depths, self.tree.mask, self.rows) if isinstance(a, mx.array)]
+
+
 def target_logprobs(logits: mx.array, sampling: SamplingParams) -> mx.array:
     """Log-probabilities of the distribution `sampling.sampler()` draws from (temp > 0): mlx-lm's
     top-p, min-p and top-k filters in its order, then the temperature."""
@@ -81,6 +95,23 @@ def greedy(cand: Candidates, logits: mx.array) -> tuple[list[int], int]:
         if nxt is None:
             return path, int(best[node])
         path.append(nxt)
+
+
+def greedy_rows(draft: Draft, logits: mx.array) -> tuple[mx.array, mx.array]:
+    """`greedy` without leaving the device; logits (T, V). The siblings of a node hold distinct
+    tokens, so every row that accepts the most drafts accepts the same path.
+
+    Returns info, int32 [accepted drafts n, next token, the best row's nodes, their tokens] (the
+    path is the first n + 1 nodes of the row), and the path's last node."""
+    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+    rows = draft.rows
+    safe = mx.maximum(rows, 0)
+    tokens = draft.tokens.astype(mx.int32)
+    ok = (rows[:, 1:] >= 0) & (tokens[safe[:, 1:]] == best[safe[:, :-1]])
+    n = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+    r = mx.argmax(n)
+    last = safe[r, n[r]]
+    return mx.concatenate([n[r][None], best[last][None], rows[r], tokens[safe[r]]]), last
 
 
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import generate_step, prefill
-from mlx_hybrid.speculative.tree import pack_beams
+from mlx_hybrid.speculative.tree import first_sharing
 
 
 @dataclass
@@ -78,10 +78,11 @@ def beam_acceptance(drafter, embed: nn.Embedding, runs: list[GreedyRun], widths:
             hi = min(lo + batch, len(roots))
             steps = drafter.beam_search(mx.stack(hiddens[lo:hi]), mx.array(roots[lo:hi]), embed, width, max_length)
             for l, beams in enumerate(steps):  # beams (B, width, l + 2)
+                unique = (first_sharing(beams) == mx.arange(width)[:, None]).sum(axis=(-2, -1))  # packed-beam size
                 beams = np.array(beams)
                 match = np.cumprod(beams[:, :, 1:] == truths[lo:hi, None, : l + 1], axis=-1).sum(-1)
                 accepted[l, lo:hi] = match.max(axis=1)
-                candidates[l, lo:hi] = [len(pack_beams(b).tokens) for b in beams]
+                candidates[l, lo:hi] = np.array(unique)
             if progress:
                 progress(w * len(roots) + hi, len(widths) * len(roots))
         out.append(BeamStats(width, list(range(2, max_length + 1)), accepted, candidates, positions))

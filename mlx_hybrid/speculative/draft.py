@@ -26,7 +26,7 @@ class DraftProposer:
             raise HybridError(
                 f"the draft model's vocabulary ({draft.args.vocab_size}) is smaller than the target's ({target.args.vocab_size})"
             )
-        self.draft, self.k = draft, k
+        self.model, self.k = draft, k
         self.vocab = target.args.vocab_size
         self.depth = k
         self.cache = draft.make_cache()
@@ -46,20 +46,20 @@ class DraftProposer:
                 c.restore(s) if hasattr(c, "restore") else c.trim(c.offset - s)
             keep = self._snap[0]
         else:
-            self.cache, keep = self.draft.make_cache(), 0
+            self.cache, keep = self.model.make_cache(), 0
         self.fed = self.fed[:keep]
 
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
         self._rewind(common_prefix(self.fed, history[:-1]))
         pending = history[len(self.fed) :]
         if len(pending) > 32:  # a prompt: in chunks; a few re-read tokens go with the first draft step
-            prefill(self.draft, mx.array(pending[:-1]), self.cache)
+            prefill(self.model, mx.array(pending[:-1]), self.cache)
             self.fed, pending = self.fed + pending[:-1], pending[-1:]
         self._snap = (len(self.fed), [c.snapshot() if hasattr(c, "snapshot") else c.offset for c in self.cache])
         x = mx.array(pending)
         tokens, logq = [], []
         for _ in range(self.k):
-            logits = self.draft(x[None], self.cache)[0, -1, : self.vocab].astype(mx.float32)
+            logits = self.model(x[None], self.cache)[0, -1, : self.vocab].astype(mx.float32)
             if sampling.temp == 0:
                 x = mx.argmax(logits, axis=-1, keepdims=True)
             else:

@@ -113,8 +113,11 @@ def speculative_steps(
         logits, hidden = model(mx.array(prompt[-1:])[None], cache, return_hidden=True)
         root = _first_token(logits[0, -1].astype(mx.float32), sampling, rng)
         hidden = hidden[0, -1]
-        tokens = list(history) + list(prompt) + [root]
         yield [root], 0
+        if sampling.temp == 0 and hasattr(proposer, "draft"):
+            yield from _greedy_passes(model, proposer, cache, root, hidden)
+            return
+        tokens = list(history) + list(prompt) + [root]
         while True:
             cand = proposer.propose(tokens, hidden, sampling)
             logits, hiddens = model(mx.array(cand.tokens)[None], cache, return_hidden=True, tree=cand.verification_tree())
@@ -132,6 +135,24 @@ def speculative_steps(
             new = [int(cand.tokens[t]) for t in path[1:]] + [nxt]
             tokens += new
             yield new, len(path) - 1
+
+
+def _greedy_passes(model: nn.Module, proposer, cache: list, root: int, hidden: mx.array) -> Iterator[tuple[list[int], int]]:
+    """Greedy speculation that waits on the host once per pass: drafting, verification and
+    acceptance (`accept.greedy_rows`) all run on the device, and the next draft is queued behind
+    the verification it depends on before the host reads which path was accepted. The host only
+    moves the caches to that path (`accept_path`)."""
+    draft = proposer.draft(mx.array([root], mx.int32), hidden)
+    while True:
+        logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree)
+        info, last = accept.greedy_rows(draft, logits[0])
+        mx.async_eval(info)
+        draft = proposer.draft(info[1:2], hiddens[0, last])
+        mx.async_eval(draft.arrays())
+        info = info.tolist()
+        n, nxt, width = info[0], info[1], (len(info) - 2) // 2
+        accept_path(cache, info[2 : 3 + n])
+        yield info[3 + width : 3 + width + n] + [nxt], n
 
 
 def speculative_generate(

@@ -18,7 +18,7 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
-from mlx_hybrid.speculative.accept import Candidates
+from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
 from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths, expected_length, greedy_paths
@@ -108,14 +108,20 @@ class MedusaProposer:
         self.tree = tree or heads.default_tree()
         self.depth = self.tree.num_heads
         self._top = max(self.tree.topk)
+        self._rows = mx.array(self.tree.retrieve)
 
-    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
+    def draft(self, root: mx.array, hidden: mx.array) -> Draft:
+        """The tree's tokens from root (1,) and the heads' top-k at hidden (H,), on the device."""
         logits = self.heads(hidden)[: self.depth]  # (depth, V)
         top = mx.argpartition(-logits, self._top - 1, axis=-1)[:, : self._top]
         order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
-        top = np.array(mx.take_along_axis(top, order, axis=-1))
-        flat = np.concatenate([[history[-1]]] + [top[d, :k] for d, k in enumerate(self.tree.topk)])
-        return Candidates(flat[self.tree.token_index], self.tree.parents, tree=self.tree.tree)
+        top = mx.take_along_axis(top, order, axis=-1)
+        tokens = self.tree.tokens(root.astype(mx.int32), [top[d].astype(mx.int32) for d in range(self.depth)])
+        return Draft(tokens, self.tree.tree, self._rows)
+
+    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
+        tokens = self.draft(mx.array(history[-1:]), hidden).tokens
+        return Candidates(np.array(tokens), self.tree.parents, tree=self.tree.tree)
 
 
 def head_accuracies(heads: MedusaHeads, runs: list[GreedyRun], topk: int = 10) -> np.ndarray:

@@ -3,7 +3,8 @@
 The drafter's state s runs over the draft tokens' embeddings (the target's embedding table), and
 each next-token distribution is an MLP of [h, s]. Beam search of width BW and length BL proposes
 BW sequences that all start with the target's token; shared prefixes are packed into one tree
-(`tree.pack_beams`) that the target verifies in one pass.
+(`tree.pack_beams`) that the target verifies in one pass. At temperature 0 search and packing stay
+on the device (`draft`), so the step never waits for the host before verification.
 
 At temperature > 0 the beams are instead BW independent samples from the drafter: beam search
 picks its candidates deterministically, so accepting them with probability p/q (as the reference
@@ -21,10 +22,10 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
-from mlx_hybrid.speculative.accept import Candidates, target_logprobs
+from mlx_hybrid.speculative.accept import Candidates, Draft, target_logprobs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
 from mlx_hybrid.speculative.medusa import ResBlock
-from mlx_hybrid.speculative.tree import pack_beams
+from mlx_hybrid.speculative.tree import Tree, pack_beams
 
 
 @dataclass
@@ -122,6 +123,13 @@ def load_redrafter(path: str | Path, target: nn.Module, dtype: str | None = None
     return load_into(drafter, path, config, dtype)
 
 
+def trims_padding() -> bool:
+    """Whether a packed beam drops its padding before verification: on the CPU a pass costs about
+    its token count and reading the count costs nothing; on a GPU a pass of a few dozen tokens
+    costs the same as a shorter one, and reading the count would stall the device."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 class ReDrafterProposer:
     name = "redrafter"
 
@@ -134,20 +142,27 @@ class ReDrafterProposer:
             raise HybridError(f"beam width must be >= 1 and length >= 2, got {self.width} x {self.length}")
         self.depth = self.length - 1
 
-    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
-        root = history[-1]
-        if sampling.temp == 0:
-            beams = self.drafter.beam_search(hidden[None], mx.array([root]), self.embed, self.width, self.length)
-            beams = np.array(beams[-1][0])
-            packed = pack_beams(beams)
-            return Candidates(packed.tokens, packed.parents)
-        beams, logq = self.drafter.sample(hidden, root, self.embed, self.width, self.length, sampling)
-        beams, q = np.array(beams), np.exp(np.array(logq, np.float64))
+    def draft(self, root: mx.array, hidden: mx.array) -> Draft:
+        """Greedy: the packed beam of a beam search from root (1,) and hidden (H,), on the device."""
+        beams = self.drafter.beam_search(hidden[None], root.reshape(1), self.embed, self.width, self.length)[-1][0]
         packed = pack_beams(beams)
-        nodes = np.zeros((len(packed.tokens), q.shape[-1]))
-        nodes[packed.node_of[:, :-1]] = q  # one prefix, one drafter distribution
+        tree = packed.tree
+        if trims_padding():
+            n = packed.count.item()
+            tree = Tree(tree.parents[:n], tree.depths[:n], tree.mask[:n, :n])
+            return Draft(packed.tokens[:n], tree, packed.node_of)
+        return Draft(packed.tokens, tree, packed.node_of)
+
+    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
+        """Sampling: `width` independent drafts, packed, with the distributions they came from."""
+        beams, logq = self.drafter.sample(hidden, history[-1], self.embed, self.width, self.length, sampling)
+        packed = pack_beams(beams)
+        n = packed.count.item()
+        node_of, q = np.array(packed.node_of), np.exp(np.array(logq, np.float64))
+        nodes = np.zeros((n, q.shape[-1]))
+        nodes[node_of[:, :-1]] = q  # one prefix, one drafter distribution
         drafts: dict[int, list[int]] = {}
         for b in range(self.width):  # the draws below each node, in the order they were drawn
             for l in range(self.length - 1):
-                drafts.setdefault(int(packed.node_of[b, l]), []).append(int(packed.node_of[b, l + 1]))
-        return Candidates(packed.tokens, packed.parents, drafts=drafts, q=nodes)
+                drafts.setdefault(int(node_of[b, l]), []).append(int(node_of[b, l + 1]))
+        return Candidates(np.array(packed.tokens[:n]), packed.tree.parents[:n].tolist(), drafts=drafts, q=nodes)

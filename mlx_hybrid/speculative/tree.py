@@ -1,13 +1,15 @@
 """Candidate trees: what the target verifies in one forward pass, and how their nodes relate.
 
 A tree is a list of nodes in parent-before-child order; node t continues node `parents[t]`, and
--1 means it continues the cache (node 0, the token the target produced last, is the only root in
-what this package builds). Attention layers see it as per-node positions (cache offset + depth)
+-1 means it continues the cache (node 0, the token the target produced last, is the only root
+anything is drafted below; a packed beam's padding nodes are roots that no candidate reaches).
+Attention layers see it as per-node positions (cache offset + depth)
 and an ancestor mask; recurrent layers use `parents` directly (`mlx_hybrid.models.hybrid`).
 
 Medusa builds its tree from paths of top-k ranks, one rank per head (`MedusaTree`), either the
 Cartesian product of per-head top-k or a sparse tree chosen greedily from measured head
-accuracies (`greedy_paths`). ReDrafter packs its beams by prefix de-duplication (`pack_beams`).
+accuracies (`greedy_paths`). ReDrafter packs its beams by prefix de-duplication (`pack_beams`),
+on the device, so that drafting, verification and acceptance run without waiting for the host.
 """
 
 import heapq
@@ -22,14 +24,15 @@ import numpy as np
 class Tree:
     """What a verification forward pass needs besides the tokens.
 
-    parents: node t continues node parents[t] (-1: the cache); parents precede children.
+    parents: node t continues node parents[t] (-1: the cache); parents precede children. A list,
+        or an int32 array when the tree was built on the device (`pack_beams`).
     depths: (T,) int32, each node's distance from the cache (root 0): its position is the cache
         offset plus its depth. None for a chain, where node t sits at depth t.
     mask: (T, T) bool, mask[t, s] is True when s is t or one of its ancestors. None for a chain,
         where it is the causal mask.
     """
 
-    parents: list[int]
+    parents: list[int] | mx.array
     depths: mx.array | None = None
     mask: mx.array | None = None
 
@@ -47,6 +50,13 @@ class Tree:
 
     def __len__(self) -> int:
         return len(self.parents)
+
+    def parent_array(self) -> mx.array:
+        return self.parents if isinstance(self.parents, mx.array) else mx.array(self.parents, mx.int32)
+
+    def visible(self) -> mx.array:
+        """The ancestor mask, the causal mask for a chain."""
+        return self.mask if self.mask is not None else mx.tril(mx.ones((len(self),) * 2, mx.bool_))
 
 
 def check_parents(parents: list[int]):
@@ -168,37 +178,57 @@ def expected_length(paths: list[list[int]], accuracies) -> float:
 
 @dataclass
 class PackedBeam:
-    """Beams with shared prefixes stored once (ReDrafter section 3.3).
+    """Beams with shared prefixes stored once (ReDrafter section 3.3), built on the device.
 
-    tokens: (T,) the unique prefixes' last tokens, beam-major (parents before children).
-    parents: node t continues node parents[t]; node 0 is the shared first token.
+    tokens: (T,) the unique prefixes' last tokens, beam-major (parents before children), then
+        padding up to T = BW * (BL - 1) + 1, the size when no two beams share more than the root.
+    tree: the dynamic tree; a padding node hangs off the cache alone (parent -1, depth 0) and no
+        beam reaches it, so it is never accepted.
     node_of: (BW, BL) the node of each beam position: position l of beam b is node node_of[b, l].
+    count: how many nodes are unique prefixes (the rest is padding).
     """
 
-    tokens: np.ndarray
-    parents: list[int]
-    node_of: np.ndarray
-
-    @property
-    def tree(self) -> Tree:
-        return Tree.from_parents(self.parents)
+    tokens: mx.array
+    tree: Tree
+    node_of: mx.array
+    count: mx.array
 
 
-def pack_beams(beams) -> PackedBeam:
-    """De-duplicate the prefixes of equal-length beams (BW, BL) without building a trie.
+def first_sharing(beams: mx.array) -> mx.array:
+    """For beams (..., BW, BL): the first beam with the same tokens 0..l as beam b, at [..., b, l]."""
+    width = beams.shape[-2]
+    equal = mx.cumprod((beams[..., :, None, :] == beams[..., None, :, :]).astype(mx.int32), axis=-1)  # (..., BW, BW, BL)
+    return mx.argmax(equal * mx.arange(width, 0, -1)[:, None], axis=-2)
+
+
+def pack_beams(beams: mx.array) -> PackedBeam:
+    """De-duplicate the prefixes of equal-length beams (BW, BL) that start with one shared token,
+    without a trie and without leaving the device.
 
     Two beam positions (b, l) and (c, l) are one node when beams b and c agree on tokens 0..l:
     equal[b, c, l] = all(beams[b, :l+1] == beams[c, :l+1]) is a cumulative product, and each
-    position maps to the first beam sharing its prefix (ReDrafter appendix A.1)."""
-    beams = np.asarray(beams)
+    position maps to the first beam sharing its prefix (ReDrafter appendix A.1). The size is
+    fixed, so the verification pass can be built before the search has run and keeps one shape
+    (the CUDA backend compiles kernels per shape)."""
+    beams = mx.array(beams).astype(mx.int32)
     width, length = beams.shape
-    equal = np.cumprod(beams[:, None, :] == beams[None, :, :], axis=2).astype(bool)  # (BW, BW, BL)
-    first = equal.argmax(axis=1)  # (BW, BL): first beam with the same prefix
-    new = first == np.arange(width)[:, None]
-    index = np.cumsum(new.reshape(-1)).reshape(width, length) - 1  # node number of each new prefix
-    node_of = index[first, np.arange(length)[None, :]]
-    tokens = beams.reshape(-1)[new.reshape(-1)]
-    parents = np.full(len(tokens), -1, np.int64)
-    b, l = np.nonzero(new)
-    parents[index[b, l][l > 0]] = node_of[b[l > 0], l[l > 0] - 1]
-    return PackedBeam(tokens, parents.tolist(), node_of)
+    size = width * (length - 1) + 1
+    first = first_sharing(beams)
+    new = first == mx.arange(width)[:, None]
+    index = (mx.cumsum(new.reshape(-1).astype(mx.int32)) - 1).reshape(width, length)  # node number of each new prefix
+    node_of = mx.take_along_axis(index, first, axis=0)
+    slot = mx.where(new, index, size).reshape(-1)  # positions that repeat a prefix write to a spare slot
+
+    def scatter(values: mx.array, fill: int) -> mx.array:
+        out = mx.full((size + 1,), fill, mx.int32)
+        out[slot] = values.astype(mx.int32).reshape(-1)
+        return out[:size]
+
+    depths = mx.broadcast_to(mx.arange(length), (width, length))
+    parents = mx.concatenate([mx.full((width, 1), -1, mx.int32), node_of[:, :-1]], axis=1)
+    # mask[t, s]: some beam position at node t has node s at or before it on its beam.
+    at = (node_of[..., None] == mx.arange(size)).astype(mx.float32)  # (BW, BL, T)
+    upto = mx.cumsum(at, axis=1)
+    mask = (at.reshape(-1, size).T @ upto.reshape(-1, size) > 0) | mx.eye(size, dtype=mx.bool_)
+    tree = Tree(scatter(parents, -1), scatter(depths, 0), mask)
+    return PackedBeam(scatter(beams, 0), tree, node_of, new.sum())

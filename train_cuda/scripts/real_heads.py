@@ -5,9 +5,11 @@ trained on it, and their top-1 accuracy per head / drafted step on held-out cont
 
 BASE: a Hugging Face Llama/Mistral directory, a .gguf file (converted once into OUT/base; needs the
 gguf and accelerate packages) or an exported hybrid directory. CORPUS_DIR: train.txt and
-heldout.txt, one document a line (scripts/fetch_corpus.py). The base answers prompts from both
-files greedily (`pseudo-labels`); `medusa` and `redrafter` train on the train.txt answers and
-measure accuracy on the held-out ones. Each stage runs as its own `python -m hybrid_train` command
+heldout.txt, one document a line (scripts/fetch_corpus.py). The base continues windows of both
+files greedily (`pseudo-labels`), and answers, with its chat template and greedily, questions it
+wrote itself (Magpie, as in real_default.py; those in benchmarks/chat_prompts.txt, the speed
+benchmark's prompts, are dropped); `medusa` and `redrafter` train on the train.txt continuations
+and most answers, and measure accuracy on the held-out continuations and the last answers. Each stage runs as its own `python -m hybrid_train` command
 from a config in OUT/configs/ (settings: configs/real_heads.yaml; --tiny shrinks them for a CPU
 test). A finished stage is skipped, so a killed run restarted with --resume goes on where it
 stopped. Results: OUT/report.json; heads in OUT/medusa1/medusa/ and OUT/redrafter/redrafter/
@@ -21,13 +23,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from real_default import merge, questions, user_turn_prefix, write_prompts  # noqa: E402
 from real_run import finish, hf_model, make_prompts, parse_args, stage, start  # noqa: E402
+
+from hybrid_train.errors import TrainError  # noqa: E402
+from hybrid_train.teacher import load_tokenizer  # noqa: E402
+
+BENCHMARK_PROMPTS = HERE.parents[1] / "benchmarks" / "chat_prompts.txt"
 
 SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
 TINY = {  # sizes for the CPU test of this script
     "prompts": {"max_prompts": 8},
     "heldout": {"max_prompts": 4},
     "pseudo-labels": {"max_new_tokens": 16, "batch_size": 4},
+    "chat": {"questions": 8, "question_batch_size": 4, "max_question_tokens": 12, "ended_only": False, "min_chars": 1,
+             "heldout": 2, "max_new_tokens": 12, "batch_size": 4},
     "medusa": {"num_heads": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "redrafter": {"draft_steps": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
 }
@@ -48,11 +58,33 @@ def main() -> int:
             cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(prompts), out=str(labels[name]))
             stage(f"pseudo-labels-{name}", cfg, out, False, timings, kind="pseudo-labels")
 
+    c = settings["chat"]
+    tokenizer = load_tokenizer(base)
+    seeds = write_prompts(out / "question-prompts.jsonl", [user_turn_prefix(tokenizer)] * c["questions"])
+    asked = out / "questions.jsonl"
+    if not asked.is_file():
+        cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(seeds), out=str(asked), temperature=1.0,
+                   top_p=0.95, seed=1, max_new_tokens=c["max_question_tokens"], batch_size=c["question_batch_size"])
+        stage("questions", cfg, out, False, timings, kind="pseudo-labels")
+    benchmark = {q.strip().lower() for q in BENCHMARK_PROMPTS.read_text().splitlines()} if BENCHMARK_PROMPTS.is_file() else set()
+    eos = tokenizer.eos_token_id if c["ended_only"] else None
+    kept = [q for q in questions(asked, eos, c["min_chars"]) if q.lower() not in benchmark]
+    if len(kept) <= c["heldout"]:
+        raise TrainError(f"the base wrote {len(kept)} usable questions: fewer than heldout ({c['heldout']}) + 1")
+    for name, part in (("chat", kept[: -c["heldout"]]), ("chat-heldout", kept[-c["heldout"] :])):
+        labels[name] = out / f"{name}.jsonl"
+        if not labels[name].is_file():
+            cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(write_prompts(out / f"{name}-prompts.jsonl", part)),
+                       out=str(labels[name]), chat=True, max_new_tokens=c["max_new_tokens"], batch_size=c["batch_size"])
+            stage(f"pseudo-labels-{name}", cfg, out, False, timings, kind="pseudo-labels")
+    train = merge([labels["prompts"], labels["chat"]], out / "train.jsonl")
+    heldout = merge([labels["heldout"], labels["chat-heldout"]], out / "eval.jsonl")
+
     reports = {}
     for kind, name in (("medusa", "medusa1"), ("redrafter", "redrafter")):
         report = out / name / "report.json"
         if not report.is_file():
-            cfg = dict(settings[kind], base=str(base), data=str(labels["prompts"]), eval_data=str(labels["heldout"]),
+            cfg = dict(settings[kind], base=str(base), data=str(train), eval_data=str(heldout),
                        out=str(out / name))
             stage(name, cfg, out, args.resume, timings, kind=kind)
         reports[name] = json.loads(report.read_text())
@@ -63,8 +95,9 @@ def main() -> int:
     report = {
         "base": str(args.base),
         "corpus": str(args.corpus),
-        "train_sequences": count(labels["prompts"]),
-        "heldout_sequences": count(labels["heldout"]),
+        "train_sequences": count(train),
+        "heldout_sequences": count(heldout),
+        "chat_questions": len(kept),
         "medusa1": reports["medusa1"]["heldout"],
         "redrafter": reports["redrafter"]["heldout"],
     }

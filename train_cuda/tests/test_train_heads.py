@@ -269,6 +269,10 @@ def test_real_heads_script(tmp_path, teacher_dir, article_corpus):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert len(report["medusa1"]["top1"]) == 3 and len(report["redrafter"]["top1"]) == 3
-    assert report["train_sequences"] == 8 and report["heldout_sequences"] == 4
-    assert set(report["seconds"]) == {"pseudo-labels-prompts", "pseudo-labels-heldout", "medusa1", "redrafter", "total"}
+    # 8 news windows and 4 held out, plus the base's own questions: the last 2 held out, the rest trained on.
+    asked = report["chat_questions"]
+    assert asked > 2 and report["train_sequences"] == 8 + asked - 2 and report["heldout_sequences"] == 4 + 2
+    assert len((out / "chat.jsonl").read_text().splitlines()) == asked - 2
+    assert set(report["seconds"]) == {"pseudo-labels-prompts", "pseudo-labels-heldout", "questions", "pseudo-labels-chat",
+                                      "pseudo-labels-chat-heldout", "medusa1", "redrafter", "total"}
     assert (out / "medusa1" / "medusa" / "config.json").is_file() and (out / "redrafter" / "redrafter" / "config.json").is_file()
