@@ -70,7 +70,10 @@ class KVCache:
     def make_tree_mask(self, tree) -> mx.array:
         """Mask for the nodes of a candidate tree just appended (`tree.mask`: ancestor mask, None
         for a chain) against everything held: every node sees the cache before the tree (within the
-        window), then itself and its ancestors."""
+        window), then itself and its ancestors. Built once per pass (`Tree.once`)."""
+        return tree.once(("mask", self.size, self.offset, self.window), lambda: self._tree_mask(tree))
+
+    def _tree_mask(self, tree) -> mx.array:
         n = len(tree)
         size = self.size
         if tree.mask is None and self.window is None:

@@ -56,15 +56,16 @@ def test_depths_mask_retrieve():
 
 def test_medusa_tree_from_paths():
     t = MedusaTree([[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 2]])
-    assert t.paths == [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 2]]
-    assert t.parents == [-1, 0, 0, 1, 1, 2, 3]
+    # The all-top-1 chain first, then by depth: node 0 is the root, nodes 1-2 the chain.
+    assert t.paths == [[0], [0, 0], [1], [0, 1], [1, 0], [0, 0, 2]]
+    assert t.parents == [-1, 0, 1, 0, 1, 3, 2]
     assert t.topk == [2, 2, 3]
     # Flat token layout: [root, head0 top-2, head1 top-2, head2 top-3].
-    assert t.token_index.tolist() == [0, 1, 2, 3, 4, 3, 7]
+    assert t.token_index.tolist() == [0, 1, 3, 2, 4, 3, 7]
     tokens = t.tokens(mx.array([9]), [mx.array([10, 11, 12]), mx.array([20, 21]), mx.array([30, 31, 32])])
-    assert tokens.tolist() == [9, 10, 11, 20, 21, 20, 32]
-    assert np.array(t.tree.depths).tolist() == [0, 1, 1, 2, 2, 2, 3]
-    assert t.retrieve.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
+    assert tokens.tolist() == [9, 10, 20, 11, 21, 20, 32]
+    assert np.array(t.tree.depths).tolist() == [0, 1, 2, 1, 2, 2, 3]
+    assert t.retrieve.tolist() == [[0, 1, 4, -1], [0, 3, 5, -1], [0, 1, 2, 6]]
     with pytest.raises(ValueError, match="prefix"):
         MedusaTree([[0, 1]])
 

@@ -81,7 +81,7 @@ class Attention(nn.Module):
             q = apply_rope(q, self._freqs, cache.offset)
             k = apply_rope(k, self._freqs, cache.offset)
         else:
-            positions = cache.offset + tree.depths
+            positions = tree.once(("positions", cache.offset), lambda: cache.offset + tree.depths)
             q = apply_rope_at(q, self._freqs, positions)
             k = apply_rope_at(k, self._freqs, positions)
         k, v = cache.update_and_fetch(k, v)

@@ -14,7 +14,7 @@ on the device, so that drafting, verification and acceptance run without waiting
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +35,7 @@ class Tree:
     parents: list[int] | mx.array
     depths: mx.array | None = None
     mask: mx.array | None = None
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_parents(cls, parents: list[int]) -> "Tree":
@@ -50,6 +51,16 @@ class Tree:
 
     def __len__(self) -> int:
         return len(self.parents)
+
+    def once(self, key, make):
+        """make(), built once for all the layers of a pass that ask with the same key (every
+        attention layer needs the same positions and mask: one op per layer is ~1% of a pass on a
+        GPU). A tree is reused across passes, so old keys are dropped."""
+        if key not in self._memo:
+            if len(self._memo) >= 8:
+                self._memo.clear()
+            self._memo[key] = make()
+        return self._memo[key]
 
     def parent_array(self) -> mx.array:
         return self.parents if isinstance(self.parents, mx.array) else mx.array(self.parents, mx.int32)
@@ -114,7 +125,9 @@ class MedusaTree:
     """
 
     def __init__(self, paths: list[list[int]]):
-        paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        # The all-top-1 chain first: accepting a prefix of it (the likeliest outcome) keeps a
+        # prefix of the nodes, which the KV caches keep without moving rows (`KVCache.accept`).
+        paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (any(p), len(p), p))
         if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
             raise ValueError("a Medusa tree needs non-empty paths of ranks >= 0")
         node = {(): 0}
