@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Where a speculative pass spends its time: forward passes over 1, 8, 17, 34 and 64 tokens as a
+chain (causal mask) and as a binary tree (array mask, per-node positions), MLX's attention alone
+with each kind of mask (30 calls), each proposer's draft, a verification with device-side
+acceptance, and the KV rows moved after accepting a prefix of the nodes vs another path.
+
+Random weights in SmolLM2-135M's shape with untrained heads (benchmarks/speculative.py's), 256
+context tokens, each timing the median of 20 synchronous runs (milliseconds; the host waits for
+each, unlike pipelined decoding). Prints JSON.
+
+    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative
+"""
+import sys, time, json
+from pathlib import Path
+from statistics import median
+import mlx.core as mx
+import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import make_synthetic
+from speculative import write_heads
+from mlx_hybrid.loader import load_model
+from mlx_hybrid.generate import prefill, generation_stream
+from mlx_hybrid.speculative.generate import load_proposer
+from mlx_hybrid.speculative import accept
+from mlx_hybrid.speculative.tree import Tree
+from mlx_hybrid.cache import accept_path
+
+d = Path(sys.argv[1])
+if not (d / "config.json").is_file():
+    make_synthetic("smollm2-135m", d, seed=0)
+model = load_model(d)
+if not (d / "medusa").is_dir():
+    write_heads(d, model, 0, 2)
+rng = np.random.default_rng(0)
+V = model.args.vocab_size
+
+def ms(fn, reps=20):
+    for _ in range(3): fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    return round(1000 * median(ts), 3)
+
+out = {}
+with mx.stream(generation_stream):
+    cache = model.make_cache()
+    prefill(model, mx.array(rng.integers(0, V, 256)), cache)
+    def fwd(tokens, tree):
+        def f():
+            lg = model(tokens[None], cache, tree=tree) if tree is not None else model(tokens[None], cache)
+            mx.eval(lg)
+            accept_path(cache, []) if tree is not None else [c.trim(tokens.shape[0]) for c in cache]
+        return f
+    out["T1_decode"] = ms(fwd(mx.array([5]), None))
+    for T in (8, 17, 34, 64):
+        toks = mx.array(rng.integers(0, V, T))
+        out[f"T{T}_chain"] = ms(fwd(toks, Tree.chain(T)))
+        par = [-1] + [(t - 1) // 2 for t in range(1, T)]
+        out[f"T{T}_tree"] = ms(fwd(toks, Tree.from_parents(par)))
+    # sdpa alone
+    H, KV, D = model.args.num_attention_heads, model.args.num_key_value_heads, model.args.head_dim
+    for T in (1, 34):
+        q = mx.random.normal((1, H, T, D)).astype(mx.float16); k = mx.random.normal((1, KV, 290, D)).astype(mx.float16); v = k
+        m = mx.random.uniform(shape=(T, 290)) > 0.3
+        for name, mask in (("none", None), ("causal", "causal" if T > 1 else None), ("bool", m)):
+            def f():
+                outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask) for _ in range(30)]
+                mx.eval(outs)
+            out[f"sdpa30_T{T}_{name}"] = ms(f)
+    hidden = model(mx.array([[5]]), cache, return_hidden=True)[1][0, -1]
+    for c in cache: c.trim(1)
+    for method in ("medusa", "redrafter"):
+        p = load_proposer(method, model, d)
+        root = mx.array([7], mx.int32)
+        out[f"{method}_draft"] = ms(lambda: mx.eval(p.draft(root, hidden).arrays()))
+        dr = p.draft(root, hidden); mx.eval(dr.arrays())
+        out[f"{method}_T"] = len(dr.tokens)
+        def verify_accept():
+            lg, hs = model(dr.tokens[None], cache, return_hidden=True, tree=dr.tree)
+            info, last = accept.greedy_rows(dr, lg[0]); info.tolist(); accept_path(cache, [])
+        out[f"{method}_verify_accept"] = ms(verify_accept)
+        for path in ([0], [0, 1, 2], [0, 2, 5]):
+            def comp():
+                lg = model(dr.tokens[None], cache, tree=dr.tree); mx.eval(lg)
+                t = time.perf_counter(); accept_path(cache, path); mx.eval([c.keys for c in cache]); b = time.perf_counter() - t
+                for c in cache: c.trim(len(path))
+                return b
+            comp(); out[f"{method}_compact_{path}"] = round(1000 * median(comp() for _ in range(10)), 3)
+print(json.dumps(out, indent=1))
