@@ -53,9 +53,9 @@ class Tree:
         return len(self.parents)
 
     def once(self, key, make):
-        """make(), built once for all the layers of a pass that ask with the same key (every
-        attention layer needs the same positions and mask: one op per layer is ~1% of a pass on a
-        GPU). A tree is reused across passes, so old keys are dropped."""
+        """make(), built once for all the layers of a pass that ask with the same key: every
+        attention layer needs the same positions and mask, and on a GPU each op is a kernel
+        launch. A tree is reused across passes, so old keys are dropped."""
         if key not in self._memo:
             if len(self._memo) >= 8:
                 self._memo.clear()
