@@ -34,7 +34,8 @@ from statistics import median
 
 import mlx.core as mx
 
-from mlx_hybrid.scan import kernel_backend, selective_scan
+from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.scan import selective_scan
 from run import device_description, slugify
 
 RESULTS = Path(__file__).resolve().parent / "results"

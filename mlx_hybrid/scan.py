@@ -24,11 +24,11 @@ small ops, and on a GPU each costs a launch. Its pure-MLX reference is the mixer
 (`mlx_hybrid.models.hybrid`), which every backend without a kernel runs.
 """
 
-import functools
-from importlib import resources
 from typing import Sequence
 
 import mlx.core as mx
+
+from mlx_hybrid.kernels import kernel_backend, load_kernel
 
 
 def selective_scan_ref(
@@ -115,35 +115,6 @@ def _check_inputs(x, dt, A, B, C, D, state, save, parents=None) -> list[int]:
     return save
 
 
-def kernel_backend() -> str | None:
-    """'metal' or 'cuda' when the default device is a GPU with that MLX backend, else None."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return None
-
-
-KERNELS = {
-    "selective_scan": (["x", "dt", "A", "B", "C", "D", "state", "save", "parents"], ["y", "states"]),
-    "ssm_step": (
-        ["u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state"],
-        ["g", "window_out", "state_out"],
-    ),
-}
-
-
-@functools.cache
-def _kernel(backend: str, name: str = "selective_scan"):
-    """The mx.fast kernel object for 'metal' or 'cuda', built once from metal_kernels/."""
-    suffix, make = {"metal": (".metal", mx.fast.metal_kernel), "cuda": (".cu", mx.fast.cuda_kernel)}[backend]
-    source = resources.files("mlx_hybrid.metal_kernels").joinpath(name + suffix).read_text()
-    inputs, outputs = KERNELS[name]
-    return make(name=name, input_names=inputs, output_names=outputs, source=source)
-
-
 def selective_scan_kernel(x, dt, A, B, C, D, state, save=None, parents=None, *, backend: str):
     """`selective_scan` on the 'metal' or 'cuda' kernel explicitly (the parity tests call this)."""
     save = _check_inputs(x, dt, A, B, C, D, state, save, parents)
@@ -170,7 +141,7 @@ def _launch(backend, x, dt, A, B, C, D, state, save, parents=None):
     sequence with its state column in registers (metal_kernels/selective_scan.cu)."""
     b, L, d = x.shape
     n = B.shape[3]
-    y, states = _kernel(backend)(
+    y, states = load_kernel(backend, "selective_scan", ("x", "dt", "A", "B", "C", "D", "state", "save", "parents"), ("y", "states"))(
         inputs=[x, dt, A.astype(mx.float32), B, C, D.astype(mx.float32), state.astype(mx.float32),
                 mx.array(save, dtype=mx.int32), mx.array([-1] if parents is None else parents).astype(mx.int32)],
         # T, Tdt, Tbc name every input dtype: MLX caches a compiled CUDA kernel by its name,
@@ -204,7 +175,9 @@ def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, *, mamba2:
         raise ValueError(f"ssm_step takes one token and a conv of width >= 2, got L={u.shape[1]}, K={K}")
     ox, oz, ob, oc = offsets
     dtype = u.dtype
-    return _kernel(backend, "ssm_step")(
+    return load_kernel(
+        backend, "ssm_step", ("u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state"), ("g", "window_out", "state_out")
+    )(
         inputs=[u, dt, window, conv_w.astype(dtype), conv_b.astype(dtype), dt_bias.astype(mx.float32),
                 A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32)],
         template=[("T", dtype), ("N", n), ("R", d // d_xb), ("K", K), ("MAMBA2", mamba2), ("DI", d), ("DXB", d_xb),

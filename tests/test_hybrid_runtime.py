@@ -16,7 +16,8 @@ from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.cli.main import main
 from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load
-from mlx_hybrid.scan import kernel_backend, selective_scan_ref
+from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.scan import selective_scan_ref
 
 KINDS = ["attention", "mamba", "dsla", "mamba2"]
 

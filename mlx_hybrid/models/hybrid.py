@@ -18,7 +18,8 @@ import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.models import llama
-from mlx_hybrid.scan import kernel_backend, selective_scan, ssm_step
+from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.scan import selective_scan, ssm_step
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
 LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")

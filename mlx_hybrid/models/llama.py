@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache
 from mlx_hybrid.rope import apply_rope, apply_rope_at, rope_frequencies
+from mlx_hybrid.tree_attention import tree_attention, tree_kernel
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Attention(nn.Module):
             args.head_dim,
         )
         self.scale = self.head_dim**-0.5
+        self._scale = mx.array([self.scale], mx.float32)  # the tree-attention kernel's input
         qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, qkv, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
@@ -86,12 +88,18 @@ class Attention(nn.Module):
             k = apply_rope_at(k, self._freqs, positions)
         k, v = cache.update_and_fetch(k, v)
         if tree is None:
-            mask = cache.make_mask(L)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=cache.make_mask(L))
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        cache.pending = L
+        if backend := tree_kernel(q, k, cache.window):
+            prefix = k.shape[2] - L
+            parents = tree.once("parents", tree.parent_array)
+            start = tree.once(("prefix", prefix), lambda: mx.array([prefix], mx.int32))
+            out = tree_attention(q, k, v, parents, start, self._scale, backend=backend)
         else:
             mask = cache.make_tree_mask(tree)
-            cache.pending = L
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
+        return self.o_proj(out.reshape(B, L, -1))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,89 @@
+// Tree attention, CUDA body for mx.fast.cuda_kernel (MLX writes the signature).
+// Line-for-line twin of tree_attention.metal: only the thread indices, threadgroup memory,
+// barriers, the simdgroup sum and exp differ.
+// The verification pass of speculative decoding: each node of a candidate tree attends to the
+// cached rows before the tree and to itself and its ancestors, and to nothing else. The kernel
+// follows `parents` instead of reading a mask, so no (nodes x keys) mask is built, converted or
+// read, and a layer's attention is one launch (a pass over a few dozen nodes is launch-bound).
+// One threadgroup per (node t, query head h), NW simdgroups of 32 threads: lane l holds elements
+// [l*E, l*E + E) of the head dimension D <= 32*E; simdgroup w takes every NW-th visible row with
+// an online softmax, and thread d < D merges the NW partial results for element d.
+// Inputs q (1, H, TN, D) queries, any strides; k, v (1, KV, >= P + TN, D) the cache with the
+// tree's rows at P + node, any strides; parents (TN,) int32, -1 for a root; prefix (1,) int32,
+// P, the rows before the tree; scale (1,) float32. Output out (1, TN, H, D). Template: T, H,
+// R (query heads per KV head), TN, D, E, NW.
+const int group = blockIdx.x;
+const int tid = threadIdx.x;
+const int lane = tid % 32;
+const int warp = tid / 32;
+const int t = group / H;
+const int h = group - t * H;
+const int kvh = h / R;
+const int P = prefix[0];
+__shared__ int chain[TN];
+__shared__ int visible[1];
+__shared__ float m_part[NW];
+__shared__ float l_part[NW];
+__shared__ float o_part[NW * D];
+if (tid == 0) {  // the tree rows node t sees: itself, then its ancestors
+  int n = t;
+  int depth = 0;
+  while (n >= 0) {
+    chain[depth] = n;
+    depth += 1;
+    n = parents[n];
+  }
+  visible[0] = P + depth;
+}
+__syncthreads();
+const int rows = visible[0];
+const float s0 = scale[0];
+float qv[E];
+float ov[E];
+for (int e = 0; e < E; ++e) {
+  const int d = lane * E + e;
+  qv[e] = d < D ? static_cast<float>(q[h * q_strides[1] + t * q_strides[2] + d * q_strides[3]]) * s0 : 0.0f;
+  ov[e] = 0.0f;
+}
+float m = -1e30f;
+float l = 0.0f;
+for (int i = warp; i < rows; i += NW) {
+  const int row = i < P ? i : P + chain[i - P];
+  const int64_t kb = kvh * k_strides[1] + row * k_strides[2];
+  const int64_t vb = kvh * v_strides[1] + row * v_strides[2];
+  float s = 0.0f;
+  for (int e = 0; e < E && lane * E + e < D; ++e) {
+    s += qv[e] * static_cast<float>(k[kb + (lane * E + e) * k_strides[3]]);
+  }
+  for (int o = 16; o > 0; o /= 2) { s += __shfl_xor_sync(0xffffffff, s, o); }
+  const float mn = m > s ? m : s;
+  const float a = expf(m - mn);
+  const float b = expf(s - mn);
+  l = l * a + b;
+  for (int e = 0; e < E && lane * E + e < D; ++e) {
+    ov[e] = ov[e] * a + b * static_cast<float>(v[vb + (lane * E + e) * v_strides[3]]);
+  }
+  m = mn;
+}
+if (lane == 0) {
+  m_part[warp] = m;
+  l_part[warp] = l;
+}
+for (int e = 0; e < E && lane * E + e < D; ++e) {
+  o_part[warp * D + lane * E + e] = ov[e];
+}
+__syncthreads();
+if (tid < D) {
+  float top = -1e30f;
+  for (int w = 0; w < NW; ++w) {
+    top = top > m_part[w] ? top : m_part[w];
+  }
+  float den = 0.0f;
+  float acc = 0.0f;
+  for (int w = 0; w < NW; ++w) {
+    const float c = expf(m_part[w] - top);
+    den += c * l_part[w];
+    acc += c * o_part[w * D + tid];
+  }
+  out[(t * H + h) * D + tid] = static_cast<T>(acc / den);
+}

@@ -1,0 +1,54 @@
+"""Attention over the nodes of a candidate tree, the verification pass of speculative decoding:
+each node sees the cached rows before the tree, itself and its ancestors, and nothing else.
+
+`tree_attention_ref` is the ground truth, MLX's attention with that mask spelled out. On a GPU,
+`tree_attention` is one kernel launch (metal_kernels/tree_attention.cu) that walks each node's
+parents instead of reading a mask: on MLX's CUDA backend attention with an array mask runs a mask
+conversion and a cuDNN call per layer, about twice the time of causal attention at a few dozen
+queries (benchmarks/README.md), and a verification pass of a small model is launch-bound.
+"""
+
+import mlx.core as mx
+
+from mlx_hybrid.kernels import kernel_backend, load_kernel
+
+
+def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, visible: mx.array, prefix: int, scale: float) -> mx.array:
+    """q (1, H, T, D) for the T nodes; keys, values (1, KV, >= prefix + T, D) holding node t's key
+    at row prefix + t; visible (T, T) bool, node s is node t or an ancestor of it
+    (`Tree.visible`). Returns (1, T, H, D)."""
+    T = q.shape[2]
+    mask = mx.concatenate([mx.ones((T, prefix), mx.bool_), visible], axis=1)
+    n = prefix + T
+    out = mx.fast.scaled_dot_product_attention(q, keys[..., :n, :], values[..., :n, :], scale=scale, mask=mask)
+    return out.transpose(0, 2, 1, 3)
+
+
+def tree_attention(q: mx.array, keys: mx.array, values: mx.array, parents: mx.array, prefix: mx.array, scale: mx.array, *, backend: str) -> mx.array:
+    """`tree_attention_ref` on the 'metal' or 'cuda' kernel: parents (T,) int32, prefix (1,) int32
+    and scale (1,) float32 as arrays, so one compiled kernel serves every step. Inputs keep their
+    strides (the queries come transposed out of RoPE, the keys are a view of the cache)."""
+    _, H, T, D = q.shape
+    lanes = -(-D // 32)  # head-dimension elements per lane
+    warps = max(4, lanes)  # the merge gives each of the D outputs a thread
+    kernel = load_kernel(backend, "tree_attention", ("q", "k", "v", "parents", "prefix", "scale"), ("out",), contiguous=False)
+    (out,) = kernel(
+        inputs=[q, keys, values, parents, prefix, scale],
+        template=[("T", q.dtype), ("H", H), ("R", H // keys.shape[1]), ("TN", T), ("D", D), ("E", lanes), ("NW", warps)],
+        grid=(T * H * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(1, T, H, D)],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+def tree_kernel(q: mx.array, keys: mx.array, window: int | None) -> str | None:
+    """The backend whose kernel can run this layer's tree attention, if any: the kernel takes one
+    sequence, keys in the queries' dtype, and no sliding window that hides part of the cache."""
+    backend = kernel_backend()
+    if backend is None or q.shape[0] != 1 or keys.dtype != q.dtype:
+        return None
+    if window is not None and keys.shape[2] > window:
+        return None
+    return backend

@@ -1,0 +1,93 @@
+"""Run the body of a CUDA kernel from metal_kernels/ on the CPU, so that its indexing and its
+algorithm are tested on machines without a GPU (CI has none; the GPU parity tests skip there).
+
+The body is compiled by g++ as the function MLX's `mx.fast.cuda_kernel` would wrap it in, in
+float32, with one std::thread per CUDA thread and the blocks run one after another: `__shared__`
+memory is a static array (one block lives at a time), `__syncthreads` a std::barrier over the
+block, and `__shfl_xor_sync` an exchange through memory between two barriers of the warp.
+"""
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+AVAILABLE = shutil.which("g++") is not None
+
+PRELUDE = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+struct Dim { int x, y, z; };
+thread_local int tl_thread, tl_block;
+#define threadIdx (Dim{tl_thread, 0, 0})
+#define blockIdx (Dim{tl_block, 0, 0})
+#define __shared__ static
+static std::barrier<>* g_block;
+static std::vector<std::barrier<>*> g_warps;
+static float g_lanes[64][32];
+#define __syncthreads() g_block->arrive_and_wait()
+static float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+  const int w = tl_thread / 32, l = tl_thread % 32;
+  g_lanes[w][l] = v;
+  g_warps[w]->arrive_and_wait();
+  const float r = g_lanes[w][l ^ lane_mask];
+  g_warps[w]->arrive_and_wait();
+  return r;
+}
+struct Strides { long long v[8]; long long operator[](int i) const { return v[i]; } };
+"""
+
+
+def run(body: str, inputs: list, outputs: list, template: list, blocks: int, threads: int) -> list[np.ndarray]:
+    """inputs: (name, C-contiguous float32 or int32 array, strides in elements or None); with
+    strides the body sees `<name>_strides` and the array is its buffer. outputs: (name, shape),
+    float32. template: (name, int or C type name). Returns the outputs."""
+    sig, reads, args = [], [], []
+    for i, (name, a, strides) in enumerate(inputs):
+        ctype = {np.dtype(np.float32): "float", np.dtype(np.int32): "int"}[a.dtype]
+        sig.append(f"const {ctype}* {name}")
+        reads.append(f"std::vector<char> in{i}({a.nbytes}); fread(in{i}.data(), 1, {a.nbytes}, f);")
+        args.append(f"(const {ctype}*)in{i}.data()")
+        if strides is not None:
+            sig.append(f"Strides {name}_strides")
+            args.append("Strides{{" + ", ".join(map(str, list(strides) + [0] * (8 - len(strides)))) + "}}")
+    for j, (name, shape) in enumerate(outputs):
+        sig.append(f"float* {name}")
+        reads.append(f"std::vector<float> out{j}({int(np.prod(shape))});")
+        args.append(f"out{j}.data()")
+    consts = "".join(f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n" for k, v in template)
+    source = (
+        PRELUDE + "void kernel(" + ", ".join(sig) + ") {\n" + consts + body + "\n}\n"
+        "int main(int argc, char** argv) {\n  FILE* f = fopen(argv[1], \"rb\");\n  " + "\n  ".join(reads) + "\n  fclose(f);\n"
+        f"  for (int w = 0; w < {threads // 32}; ++w) g_warps.push_back(new std::barrier<>(32));\n"
+        f"  g_block = new std::barrier<>({threads});\n"
+        f"  for (int b = 0; b < {blocks}; ++b) {{\n"
+        "    std::vector<std::thread> team;\n"
+        f"    for (int t = 0; t < {threads}; ++t)\n"
+        f"      team.emplace_back([&, b, t]() {{ tl_thread = t; tl_block = b; kernel({', '.join(args)}); }});\n"
+        "    for (auto& t : team) t.join();\n  }\n"
+        "  FILE* g = fopen(argv[2], \"wb\");\n"
+        + "".join(f"  fwrite(out{j}.data(), 4, out{j}.size(), g);\n" for j in range(len(outputs)))
+        + "  fclose(g);\n}\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "kernel.cpp").write_text(source)
+        build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", d / "kernel", d / "kernel.cpp"], capture_output=True, text=True)
+        if build.returncode:
+            raise RuntimeError("the kernel body does not compile:\n" + build.stderr[:4000])
+        (d / "in.bin").write_bytes(b"".join(np.ascontiguousarray(a).tobytes() for _, a, _ in inputs))
+        subprocess.run([d / "kernel", d / "in.bin", d / "out.bin"], check=True)
+        raw = np.fromfile(d / "out.bin", np.float32)
+    results, at = [], 0
+    for _, shape in outputs:
+        n = int(np.prod(shape))
+        results.append(raw[at : at + n].reshape(shape))
+        at += n
+    return results

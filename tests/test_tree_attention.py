@@ -1,0 +1,185 @@
+"""Tree attention: the MLX reference and the CUDA kernel body (run on the CPU by
+tests/cuda_emulator.py) against float64 numpy attention over each node's visible rows, the GPU
+kernels against the reference, and a Llama verification pass with and without the kernel.
+
+The kernel parity tests call `tree_attention` with an explicit backend, so that a machine without
+the kernel skips them instead of comparing the reference to itself.
+"""
+
+from importlib import resources
+
+import cuda_emulator
+import mlx.core as mx
+import numpy as np
+import pytest
+from factories import make_hf_model_dir
+
+from mlx_hybrid.loader import load_model
+from mlx_hybrid.speculative.tree import Tree, ancestor_mask
+from mlx_hybrid.tree_attention import tree_attention, tree_attention_ref
+
+# Parent-before-child order: a Medusa-like tree, a chain, and a packed beam whose last two nodes
+# are padding roots (parent -1, reached by no beam).
+TREES = {
+    "tree": [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 3, 10, 5],
+    "chain": [-1, 0, 1, 2, 3, 4],
+    "beam": [-1, 0, 1, 2, 0, 4, 5, 1, 7, -1, -1],
+}
+# (query heads, KV heads, head size, rows before the tree): grouped queries, no cache at all, a
+# head size that does not fill the 32 lanes, and a cache longer than a threadgroup's rows.
+SHAPES = [(9, 3, 64, 37), (4, 4, 128, 0), (2, 1, 16, 300), (4, 2, 96, 5)]
+
+
+def make_case(parents, H, KV, D, prefix, seed, extra=3):
+    """Queries as RoPE leaves them: a (T, H, D) buffer seen as (1, H, T, D); keys and values in a
+    cache buffer with spare rows past the tree, as `KVCache` holds them."""
+    rng = np.random.default_rng(seed)
+    T = len(parents)
+    q_buffer = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = rng.standard_normal((1, KV, prefix + T + extra, D)).astype(np.float32)
+    v = rng.standard_normal((1, KV, prefix + T + extra, D)).astype(np.float32)
+    return q_buffer, k, v
+
+
+def numpy_attention(q, k, v, parents, prefix, scale):
+    """float64: node t attends to rows 0..prefix-1 and prefix + (t and its ancestors)."""
+    _, H, T, D = q.shape
+    R = H // k.shape[1]
+    out = np.zeros((1, T, H, D))
+    for t in range(T):
+        rows, n = list(range(prefix)), t
+        while n >= 0:
+            rows.append(prefix + n)
+            n = parents[n]
+        for h in range(H):
+            s = k[0, h // R, rows].astype(np.float64) @ q[0, h, t] * scale
+            p = np.exp(s - s.max())
+            out[0, t, h] = (p / p.sum()) @ v[0, h // R, rows]
+    return out
+
+
+def test_reference_matches_numpy():
+    for name, parents in TREES.items():
+        for i, (H, KV, D, prefix) in enumerate(SHAPES):
+            q_buffer, k, v = make_case(parents, H, KV, D, prefix, seed=i)
+            q = q_buffer.transpose(1, 0, 2)[None]
+            visible = mx.array(ancestor_mask(parents))
+            got = tree_attention_ref(mx.array(q), mx.array(k), mx.array(v), visible, prefix, D**-0.5)
+            want = numpy_attention(q, k, v, parents, prefix, D**-0.5)
+            np.testing.assert_allclose(np.array(got), want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
+def test_cuda_body_on_the_cpu_matches_numpy():
+    """What the GPU parity test checks on CUDA, on every machine: indexing (strided queries, grouped
+    heads, cache rows past the tree), the parent walk, the per-warp online softmax and the merge."""
+    body = resources.files("mlx_hybrid.metal_kernels").joinpath("tree_attention.cu").read_text()
+    cases = [("tree", SHAPES[0]), ("beam", SHAPES[1]), ("chain", SHAPES[2]), ("tree", SHAPES[3])]
+    for i, (name, (H, KV, D, prefix)) in enumerate(cases):
+        parents = TREES[name]
+        T = len(parents)
+        q_buffer, k, v = make_case(parents, H, KV, D, prefix, seed=10 + i)
+        S = k.shape[2]
+        lanes = -(-D // 32)
+        warps = max(4, lanes)
+        (got,) = cuda_emulator.run(
+            body,
+            inputs=[
+                ("q", q_buffer, (T * H * D, D, H * D, 1)),  # (1, H, T, D) over a (T, H, D) buffer
+                ("k", k, (KV * S * D, S * D, D, 1)),
+                ("v", v, (KV * S * D, S * D, D, 1)),
+                ("parents", np.array(parents, np.int32), None),
+                ("prefix", np.array([prefix], np.int32), None),
+                ("scale", np.array([D**-0.5], np.float32), None),
+            ],
+            outputs=[("out", (1, T, H, D))],
+            template=[("T", "float"), ("H", H), ("R", H // KV), ("TN", T), ("D", D), ("E", lanes), ("NW", warps)],
+            blocks=T * H,
+            threads=warps * 32,
+        )
+        want = numpy_attention(q_buffer.transpose(1, 0, 2)[None], k, v, parents, prefix, D**-0.5)
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
+
+
+def test_kernel_twins_stay_parallel():
+    """What is proven on CUDA (and on the CPU emulation) carries over to Metal only while the
+    bodies match line for line."""
+    src = resources.files("mlx_hybrid.metal_kernels")
+    cu = src.joinpath("tree_attention.cu").read_text().splitlines()
+    metal = src.joinpath("tree_attention.metal").read_text().splitlines()
+    assert len(cu) == len(metal)
+    to_metal = [
+        ("blockIdx.x", "threadgroup_position_in_grid.x"),
+        ("threadIdx.x", "thread_position_in_threadgroup.x"),
+        ("__shared__ ", "threadgroup "),
+        ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
+        ("for (int o = 16; o > 0; o /= 2) { s += __shfl_xor_sync(0xffffffff, s, o); }", "s = simd_sum(s);"),
+        ("expf(", "metal::exp("),
+    ]
+    for i, (a, b) in enumerate(zip(cu, metal), 1):
+        if a.startswith("//"):
+            continue
+        for old, new in to_metal:
+            a = a.replace(old, new)
+        assert a == b, f"line {i} differs beyond the CUDA/Metal spellings"
+
+
+# Half types: the kernel accumulates in float32 like MLX's attention, and both round the output
+# to the half type once (fp16 2**-11, bf16 2**-8 relative); outputs are O(1).
+PARITY_TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+
+def check_parity(backend, dtype):
+    worst = 0.0
+    for name, parents in TREES.items():
+        for i, (H, KV, D, prefix) in enumerate(SHAPES):
+            q_buffer, k, v = make_case(parents, H, KV, D, prefix, seed=i)
+            with mx.stream(mx.gpu):
+                q = mx.array(q_buffer).astype(dtype).swapaxes(0, 1)[None]  # strided, as after RoPE
+                keys, values = mx.array(k).astype(dtype), mx.array(v).astype(dtype)
+                n = prefix + len(parents)
+                got = tree_attention(q, keys[..., :n, :], values[..., :n, :], mx.array(parents, mx.int32),
+                                     mx.array([prefix], mx.int32), mx.array([D**-0.5], mx.float32), backend=backend)
+                want = tree_attention_ref(q, keys, values, mx.array(ancestor_mask(parents)), prefix, D**-0.5)
+            got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+            np.testing.assert_allclose(got, want, atol=PARITY_TOL[dtype], err_msg=f"{dtype} {name} {H}/{KV} heads, D={D}, prefix {prefix}")
+            worst = max(worst, float(np.abs(got - want).max()))
+    print(f"\n{backend} {dtype}: max |kernel - reference| {worst:.3g}")
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="Metal not available (needs an Apple-silicon Mac)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_metal_kernel_matches_reference(dtype):
+    check_parity("metal", dtype)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX CUDA backend not available")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_cuda_kernel_matches_reference(dtype):
+    check_parity("cuda", dtype)
+
+
+@pytest.mark.skipif(not (mx.metal.is_available() or mx.cuda.is_available()), reason="no GPU kernel backend (Metal or MLX CUDA) on this device")
+def test_verification_pass_with_kernel_matches_reference(tmp_path, monkeypatch):
+    """A Llama target's logits over a candidate tree after a prompt, through the kernel in every
+    layer and through MLX's masked attention. Same model and inputs, so only the attention's
+    summation order differs; the matmuls around it (TF32 on MLX's CUDA backend, see
+    test_hybrid_runtime) may amplify that: |diff| <= 1e-2 * max|logit| and equal argmax."""
+    from mlx_hybrid.models import llama
+
+    model = load_model(make_hf_model_dir(tmp_path / "m", tokenizer=False, hidden_size=128, num_attention_heads=4))
+    parents = TREES["tree"]
+    tokens = mx.array([[5, 17, 42, 9, 33, 21, 7, 60, 11, 3, 8, 2, 19]])
+
+    def verify():
+        cache = model.make_cache()
+        model(mx.array([[1, 4, 9, 16, 25, 36, 49, 64, 81, 100] * 3]), cache)
+        return np.array(model(tokens, cache, tree=Tree.from_parents(parents)))
+
+    with_kernel = verify()
+    monkeypatch.setattr(llama, "tree_kernel", lambda *args: None)
+    reference = verify()
+    diff = np.abs(with_kernel - reference).max()
+    print(f"max |kernel - reference| logit difference: {diff:.3g} (max |logit| {np.abs(reference).max():.3g})")
+    assert diff <= 1e-2 * np.abs(reference).max()
+    assert (with_kernel.argmax(-1) == reference.argmax(-1)).all()
