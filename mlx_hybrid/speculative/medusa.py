@@ -109,15 +109,19 @@ class MedusaProposer:
         self.depth = self.tree.num_heads
         self._top = max(self.tree.topk)
         self._rows = mx.array(self.tree.retrieve)
+        # One shape per tree: compiled once, replayed each pass (see `ReDrafterProposer`).
+        self._tokens = mx.compile(self._tree_tokens, inputs=heads.state)
 
     def draft(self, root: mx.array, hidden: mx.array) -> Draft:
         """The tree's tokens from root (1,) and the heads' top-k at hidden (H,), on the device."""
+        return Draft(self._tokens(root, hidden), self.tree.tree, self._rows)
+
+    def _tree_tokens(self, root: mx.array, hidden: mx.array) -> mx.array:
         logits = self.heads(hidden)[: self.depth]  # (depth, V)
         top = mx.argpartition(-logits, self._top - 1, axis=-1)[:, : self._top]
         order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
         top = mx.take_along_axis(top, order, axis=-1)
-        tokens = self.tree.tokens(root.astype(mx.int32), [top[d].astype(mx.int32) for d in range(self.depth)])
-        return Draft(tokens, self.tree.tree, self._rows)
+        return self.tree.tokens(root.astype(mx.int32), [top[d].astype(mx.int32) for d in range(self.depth)])
 
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
         tokens = self.draft(mx.array(history[-1:]), hidden).tokens

@@ -141,17 +141,23 @@ class ReDrafterProposer:
         if self.width < 1 or self.length < 2:
             raise HybridError(f"beam width must be >= 1 and length >= 2, got {self.width} x {self.length}")
         self.depth = self.length - 1
+        # Search and packing have one shape per beam size, so they compile once: each pass then
+        # replays the graph without Python and with its elementwise ops fused, which counts on a
+        # GPU, where a draft is ~100 small kernels. The weights are inputs, not constants.
+        self._search = mx.compile(self._search_and_pack, inputs=[drafter.state, self.embed.state])
 
     def draft(self, root: mx.array, hidden: mx.array) -> Draft:
         """Greedy: the packed beam of a beam search from root (1,) and hidden (H,), on the device."""
+        tokens, parents, depths, mask, node_of, count = self._search(root, hidden)
+        if trims_padding():
+            n = count.item()
+            return Draft(tokens[:n], Tree(parents[:n], depths[:n], mask[:n, :n]), node_of)
+        return Draft(tokens, Tree(parents, depths, mask), node_of)
+
+    def _search_and_pack(self, root: mx.array, hidden: mx.array) -> tuple[mx.array, ...]:
         beams = self.drafter.beam_search(hidden[None], root.reshape(1), self.embed, self.width, self.length)[-1][0]
         packed = pack_beams(beams)
-        tree = packed.tree
-        if trims_padding():
-            n = packed.count.item()
-            tree = Tree(tree.parents[:n], tree.depths[:n], tree.mask[:n, :n])
-            return Draft(packed.tokens[:n], tree, packed.node_of)
-        return Draft(packed.tokens, tree, packed.node_of)
+        return packed.tokens, packed.tree.parents, packed.tree.depths, packed.tree.mask, packed.node_of, packed.count
 
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
         """Sampling: `width` independent drafts, packed, with the distributions they came from."""
