@@ -103,10 +103,14 @@ def greedy_rows(draft: Draft, logits: mx.array) -> tuple[mx.array, mx.array]:
 
     Returns info, int32 [accepted drafts n, next token, the best row's nodes, their tokens] (the
     path is the first n + 1 nodes of the row), and the path's last node."""
+    return _greedy_rows(draft.tokens, draft.rows, logits)
+
+
+@mx.compile  # a dozen small ops with one shape per tree: one fused replay per pass
+def _greedy_rows(tokens: mx.array, rows: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
     best = mx.argmax(logits, axis=-1).astype(mx.int32)
-    rows = draft.rows
     safe = mx.maximum(rows, 0)
-    tokens = draft.tokens.astype(mx.int32)
+    tokens = tokens.astype(mx.int32)
     ok = (rows[:, 1:] >= 0) & (tokens[safe[:, 1:]] == best[safe[:, :-1]])
     n = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
     r = mx.argmax(n)
