@@ -1,19 +1,23 @@
 #!/usr/bin/env python
 """Where a speculative pass spends its time: forward passes over 1, 8, 17, 34 and 64 tokens as a
-chain (causal mask) and as a binary tree (array mask, per-node positions), MLX's attention alone
-with each kind of mask (30 calls), each proposer's draft, a verification with device-side
-acceptance, and the KV rows moved after accepting a prefix of the nodes vs another path.
+chain and as a binary tree (per-node positions), each through the tree-attention kernel (where
+the device has one) and through MLX's attention with a mask (causal, or an array for the tree),
+MLX's attention alone with each kind of mask (30 calls), each proposer's draft compiled (as the
+loop runs it) and eager, a verification with device-side acceptance, and the KV rows moved after
+accepting a prefix of the nodes vs another path.
 
 Random weights in SmolLM2-135M's shape with untrained heads (benchmarks/speculative.py's), 256
 context tokens, each timing the median of 20 synchronous runs (milliseconds; the host waits for
-each, unlike pipelined decoding). Prints JSON.
+each, unlike pipelined decoding). BITS (4 or 8) quantizes the target as `hybrid convert` does by
+default. Prints JSON.
 
-    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative
+    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS]
 """
 import sys, time, json
 from pathlib import Path
 from statistics import median
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import make_synthetic
@@ -24,6 +28,9 @@ from mlx_hybrid.speculative.generate import load_proposer
 from mlx_hybrid.speculative import accept
 from mlx_hybrid.speculative.tree import Tree
 from mlx_hybrid.cache import accept_path
+from mlx_hybrid.models import llama
+from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.tree_attention import tree_attention
 
 d = Path(sys.argv[1])
 if not (d / "config.json").is_file():
@@ -31,6 +38,8 @@ if not (d / "config.json").is_file():
 model = load_model(d)
 if not (d / "medusa").is_dir():
     write_heads(d, model, 0, 2)
+if len(sys.argv) > 2:  # a quantized target, as `hybrid convert` writes by default
+    nn.quantize(model, 64, int(sys.argv[2]))
 rng = np.random.default_rng(0)
 V = model.args.vocab_size
 
@@ -54,9 +63,13 @@ with mx.stream(generation_stream):
     out["T1_decode"] = ms(fwd(mx.array([5]), None))
     for T in (8, 17, 34, 64):
         toks = mx.array(rng.integers(0, V, T))
-        out[f"T{T}_chain"] = ms(fwd(toks, Tree.chain(T)))
         par = [-1] + [(t - 1) // 2 for t in range(1, T)]
-        out[f"T{T}_tree"] = ms(fwd(toks, Tree.from_parents(par)))
+        for shape, tree in (("chain", Tree.chain(T)), ("tree", Tree.from_parents(par))):
+            if kernel_backend():
+                out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
+            kernel, llama.tree_kernel = llama.tree_kernel, lambda *args: None
+            out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
+            llama.tree_kernel = kernel
     # sdpa alone
     H, KV, D = model.args.num_attention_heads, model.args.num_key_value_heads, model.args.head_dim
     for T in (1, 34):
@@ -67,12 +80,18 @@ with mx.stream(generation_stream):
                 outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask) for _ in range(30)]
                 mx.eval(outs)
             out[f"sdpa30_T{T}_{name}"] = ms(f)
+        if kernel_backend():
+            par, pre, sc = mx.array([-1] + [(t - 1) // 2 for t in range(1, T)], mx.int32), mx.array([290 - T], mx.int32), mx.array([0.1])
+            f = lambda: mx.eval([tree_attention(q, k, v, par, pre, sc, backend=kernel_backend()) for _ in range(30)])
+            out[f"tree_attention30_T{T}"] = ms(f)
     hidden = model(mx.array([[5]]), cache, return_hidden=True)[1][0, -1]
     for c in cache: c.trim(1)
     for method in ("medusa", "redrafter"):
         p = load_proposer(method, model, d)
         root = mx.array([7], mx.int32)
         out[f"{method}_draft"] = ms(lambda: mx.eval(p.draft(root, hidden).arrays()))
+        eager = p._tree_tokens if method == "medusa" else p._search_and_pack
+        out[f"{method}_draft_eager"] = ms(lambda: mx.eval(eager(root, hidden)))
         dr = p.draft(root, hidden); mx.eval(dr.arrays())
         out[f"{method}_T"] = len(dr.tokens)
         def verify_accept():
