@@ -2,7 +2,8 @@
 """Where a speculative pass spends its time: forward passes over 1, 8, 17, 34 and 64 tokens as a
 chain and as a binary tree (per-node positions), each through the tree-attention kernel (where
 the device has one) and through MLX's attention with a mask (causal, or an array for the tree),
-MLX's attention alone with each kind of mask (30 calls), each proposer's draft compiled (as the
+MLX's attention alone with each kind of mask (30 calls), single ops (a chain of 200 on a
+576-wide activation), each proposer's draft compiled (as the
 loop runs it) and eager, a verification with device-side acceptance, and the KV rows moved after
 accepting a prefix of the nodes vs another path.
 
@@ -84,6 +85,31 @@ with mx.stream(generation_stream):
             par, pre, sc = mx.array([-1] + [(t - 1) // 2 for t in range(1, T)], mx.int32), mx.array([290 - T], mx.int32), mx.array([0.1])
             f = lambda: mx.eval([tree_attention(q, k, v, par, pre, sc, backend=kernel_backend()) for _ in range(30)])
             out[f"tree_attention30_T{T}"] = ms(f)
+    # One op's cost: a chain of 200 dependent ops on a 576-wide activation of 1 or 34 rows, total
+    # and host time (building the graph and handing it to the device) per op, in microseconds.
+    W = (mx.random.normal((576, 576)) * 0.04).astype(mx.float16)
+    q4, q8 = mx.quantize(W, 64, 4), mx.quantize(W, 64, 8)
+    ops = {
+        "add": lambda x: x + 1,
+        "matmul": lambda x: x @ W.T,
+        "qmm4": lambda x: mx.quantized_matmul(x, *q4, True, 64, 4),
+        "qmm8": lambda x: mx.quantized_matmul(x, *q8, True, 64, 8),
+        "rms_norm": lambda x: mx.fast.rms_norm(x, None, 1e-5),
+    }
+    for name, op in ops.items():
+        for T in (1, 34):
+            x = mx.random.normal((T, 576)).astype(mx.float16)
+            mx.eval(x, W, q4, q8)
+            def chain():
+                y = x
+                for _ in range(200):
+                    y = op(y)
+                return y
+            def host():
+                t = time.perf_counter(); y = chain(); mx.async_eval(y); b = time.perf_counter() - t; mx.eval(y)
+                return b
+            out[f"op_{name}_T{T}_us"] = round(1000 * ms(lambda: mx.eval(chain())) / 200, 2)
+            out[f"op_{name}_T{T}_host_us"] = round(1e6 * median(host() for _ in range(10)) / 200, 2)
     hidden = model(mx.array([[5]]), cache, return_hidden=True)[1][0, -1]
     for c in cache: c.trim(1)
     for method in ("medusa", "redrafter"):

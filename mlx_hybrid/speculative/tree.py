@@ -4,7 +4,8 @@ A tree is a list of nodes in parent-before-child order; node t continues node `p
 -1 means it continues the cache (node 0, the token the target produced last, is the only root
 anything is drafted below; a packed beam's padding nodes are roots that no candidate reaches).
 Attention layers see it as per-node positions (cache offset + depth)
-and an ancestor mask; recurrent layers use `parents` directly (`mlx_hybrid.models.hybrid`).
+and an ancestor mask, or on a GPU its parents (`mlx_hybrid.tree_attention`); recurrent layers use
+`parents` directly (`mlx_hybrid.models.hybrid`).
 
 Medusa builds its tree from paths of top-k ranks, one rank per head (`MedusaTree`), either the
 Cartesian product of per-head top-k or a sparse tree chosen greedily from measured head
