@@ -7,6 +7,9 @@ byte-level BPE trained here on a few sentences.
 import json
 from pathlib import Path
 
+import mlx.core as mx
+import pytest
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CHAT_TEMPLATE = (
@@ -187,3 +190,10 @@ def make_hybrid_dir(
         hybrid.update(ssm)  # d_state, d_conv, conv_bias, gate_rank, gate_norm, d_inner, d_xb, dt_rank
         file.write_text(json.dumps(hybrid, indent=2, sort_keys=True) + "\n")
     return path, model
+
+
+# The GPU kernels' backends, each skipped with its reason where this machine lacks it.
+GPU_BACKENDS = [
+    pytest.param("metal", marks=pytest.mark.skipif(not mx.metal.is_available(), reason="Metal not available (needs an Apple-silicon Mac)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX CUDA backend not available")),
+]

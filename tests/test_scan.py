@@ -6,12 +6,13 @@ machine without the kernel skips them instead of silently comparing the referenc
 """
 
 import itertools
-from importlib import resources
 
 import mlx.core as mx
 import mlx.utils as nn_utils
 import numpy as np
 import pytest
+
+from factories import GPU_BACKENDS
 
 from mlx_hybrid.scan import selective_scan, selective_scan_kernel, selective_scan_ref
 
@@ -144,27 +145,6 @@ def test_bad_arguments_raise(change, message):
         selective_scan(**kwargs)
 
 
-@pytest.mark.parametrize("kernel", ["selective_scan", "ssm_step"])
-def test_kernel_twins_stay_parallel(kernel):
-    """What is proven on CUDA carries over to Metal only while the bodies match line for line."""
-    src = resources.files("mlx_hybrid.metal_kernels")
-    cu = src.joinpath(kernel + ".cu").read_text().splitlines()
-    metal = src.joinpath(kernel + ".metal").read_text().splitlines()
-    assert len(cu) == len(metal)
-    to_metal = [
-        ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
-        ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
-        ("expf(", "metal::exp("),
-        ("logf(", "metal::log("),
-    ]
-    for i, (a, b) in enumerate(zip(cu, metal), 1):
-        if a.startswith("//"):
-            continue
-        for old, new in to_metal:
-            a = a.replace(old, new)
-        assert a == b, f"line {i} differs beyond the CUDA/Metal spellings"
-
-
 # ----------------------------------------------------------------------------- GPU parity
 
 # (atol, rtol) for y; saved states are float32 in every case and use the float32 pair. Half
@@ -207,16 +187,10 @@ def check_parity(backend, dtype):
           f"(at most {used:.0%} of the tolerance), max |state - ref| {worst_s:.3g}")
 
 
-@pytest.mark.skipif(not mx.metal.is_available(), reason="Metal not available (needs an Apple-silicon Mac)")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_metal_kernel_matches_reference(dtype):
-    check_parity("metal", dtype)
-
-
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX CUDA backend not available")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_cuda_kernel_matches_reference(dtype):
-    check_parity("cuda", dtype)
+def test_kernel_matches_reference(backend, dtype):
+    check_parity(backend, dtype)
 
 
 # ----------------------------------------------------------------------------- fused decode step
@@ -275,13 +249,7 @@ def check_step_parity(backend, dtype, monkeypatch):
     print(f"\n{backend} ssm_step {dtype}: {len(STEP_SHAPES)} shapes x 6 steps, max |fused - unfused| {worst:.3g}")
 
 
-@pytest.mark.skipif(not mx.metal.is_available(), reason="Metal not available (needs an Apple-silicon Mac)")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_metal_step_kernel_matches_unfused_path(dtype, monkeypatch):
-    check_step_parity("metal", dtype, monkeypatch)
-
-
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX CUDA backend not available")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_cuda_step_kernel_matches_unfused_path(dtype, monkeypatch):
-    check_step_parity("cuda", dtype, monkeypatch)
+def test_step_kernel_matches_unfused_path(backend, dtype, monkeypatch):
+    check_step_parity(backend, dtype, monkeypatch)
