@@ -9,7 +9,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CHAT_TEMPLATE = (

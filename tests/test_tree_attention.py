@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from factories import GPU_BACKENDS, make_hf_model_dir
 
+from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.speculative.tree import Tree, ancestor_mask
 from mlx_hybrid.tree_attention import tree_attention, tree_attention_ref
@@ -130,7 +131,7 @@ def test_kernel_matches_reference(backend, dtype):
     check_parity(backend, dtype)
 
 
-@pytest.mark.skipif(not (mx.metal.is_available() or mx.cuda.is_available()), reason="no GPU kernel backend (Metal or MLX CUDA) on this device")
+@pytest.mark.skipif(kernel_backend() is None, reason="no GPU kernel backend (Metal or MLX CUDA) on this device")
 def test_verification_pass_with_kernel_matches_reference(tmp_path, monkeypatch):
     """A Llama target's logits over a candidate tree after a prompt, through the kernel in every
     layer and through MLX's masked attention. Same model and inputs, so only the attention's
