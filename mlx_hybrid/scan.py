@@ -18,9 +18,10 @@ node's state is returned, since which branch is accepted is known only afterward
 `selective_scan_ref` is the ground truth and runs on every backend; `selective_scan` dispatches
 to the Metal or CUDA kernel in `metal_kernels/` when the default device has one.
 
-`ssm_step` is the decode step of a whole Mamba or Mamba2 mixer between its two projections
-(conv step, activations, one scan update, gate) in one GPU launch: a one-token step is a chain of
-small ops, and on a GPU each costs a launch. Its pure-MLX reference is the mixer's unfused path
+`ssm_step` is a whole Mamba or Mamba2 mixer between its two projections (conv, activations,
+scan updates, gate) in one GPU launch, for a decode step or for the nodes of a candidate tree (a
+verification pass): unfused, either is a chain of ~25 small ops a layer, and on a GPU each costs
+a launch and host time. Its pure-MLX reference is the mixer's unfused path
 (`mlx_hybrid.models.hybrid`), which every backend without a kernel runs.
 """
 
@@ -159,31 +160,45 @@ def _launch(backend, x, dt, A, B, C, D, state, save, parents=None):
     return y, states
 
 
-def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, *, mamba2: bool, d_xb: int, offsets, backend: str):
-    """One decode step of a Mamba (mamba2=False) or Mamba2 mixer on the fused GPU kernel.
+def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=None, *, mamba2: bool, d_xb: int, offsets, backend: str):
+    """A Mamba (mamba2=False) or Mamba2 mixer between its two projections on the fused GPU kernel:
+    one decode step, or with `parents` the nodes of a candidate tree.
 
-    u: (batch, 1, P) the mixer's input projection, with x, z, B, C at `offsets` (x and B before
-    the KV-group expansion; Mamba2's [x, B, C] contiguous from x's offset); dt: (batch, 1, heads
-    or channels) before `dt_bias`; window: (batch, K-1, conv channels) the previous conv inputs;
+    u: (batch, TN, P) the mixer's input projection, with x, z, B, C at `offsets` (x and B before
+    the KV-group expansion; Mamba2's [x, B, C] contiguous from x's offset); dt: (batch, TN, heads
+    or channels) before `dt_bias`; window: (batch, K-1, conv channels) the conv inputs before u;
     conv_w: (conv channels, K); conv_b: (conv channels,); A_log: (heads,) or (channels, n);
-    state: (batch, n, channels) float32. Returns the gated output y * silu(z) (batch, 1, channels),
-    the new window and the new state (metal_kernels/ssm_step.cu).
+    state: (batch, n, channels) float32; parents: (TN,) int32, node t continues node parents[t]
+    (-1: window and state), parents before children; without it TN must be 1.
+    Returns the gated outputs y * silu(z) (batch, TN, channels) and the window and state after
+    the token, or with `parents` after each node: (batch, TN, K-1, conv channels) and
+    (batch, TN, n, channels) (metal_kernels/ssm_step.cu).
     """
+    return load_kernel(
+        backend, "ssm_step", STEP_INPUTS, ("g", "window_out", "state_out")
+    )(**ssm_step_launch(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents, mamba2=mamba2, d_xb=d_xb, offsets=offsets))
+
+
+STEP_INPUTS = ("u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state", "parents")
+_ROOT = mx.array([-1], mx.int32)  # the decode step: one token continuing the cache
+
+
+def ssm_step_launch(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=None, *, mamba2: bool, d_xb: int, offsets) -> dict:
+    """The arguments of the `ssm_step` kernel call (also what tests/cuda_emulator.py runs)."""
     b, n, d = state.shape
-    K = conv_w.shape[1]
-    if K < 2 or u.shape[1] != 1:
-        raise ValueError(f"ssm_step takes one token and a conv of width >= 2, got L={u.shape[1]}, K={K}")
+    TN, K = u.shape[1], conv_w.shape[1]
+    if K < 2 or (parents is None and TN != 1) or (parents is not None and parents.shape != (TN,)):
+        raise ValueError(f"ssm_step takes one token or a tree of parents for each, and a conv of width >= 2, got L={TN}, K={K}")
     ox, oz, ob, oc = offsets
     dtype = u.dtype
-    return load_kernel(
-        backend, "ssm_step", ("u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state"), ("g", "window_out", "state_out")
-    )(
+    tree = parents is not None
+    return dict(
         inputs=[u, dt, window, conv_w.astype(dtype), conv_b.astype(dtype), dt_bias.astype(mx.float32),
-                A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32)],
+                A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32), parents if tree else _ROOT],
         template=[("T", dtype), ("N", n), ("R", d // d_xb), ("K", K), ("MAMBA2", mamba2), ("DI", d), ("DXB", d_xb),
                   ("OX", ox), ("OZ", oz), ("OB", ob), ("OC", oc)],
         grid=(d, b, 1),
         threadgroup=(min(64, d), 1, 1),
-        output_shapes=[(b, 1, d), window.shape, state.shape],
+        output_shapes=[(b, TN, d), (b, TN, *window.shape[1:]) if tree else window.shape, (b, TN, n, d) if tree else state.shape],
         output_dtypes=[dtype, dtype, mx.float32],
     )

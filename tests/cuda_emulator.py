@@ -25,8 +25,10 @@ PRELUDE = r"""
 #include <vector>
 struct Dim { int x, y, z; };
 thread_local int tl_thread, tl_block;
+static int g_threads, g_blocks_x;
 #define threadIdx (Dim{tl_thread, 0, 0})
-#define blockIdx (Dim{tl_block, 0, 0})
+#define blockIdx (Dim{tl_block % g_blocks_x, tl_block / g_blocks_x, 0})
+#define blockDim (Dim{g_threads, 1, 1})
 #define __shared__ static
 static std::barrier<>* g_block;
 static std::vector<std::barrier<>*> g_warps;
@@ -40,23 +42,25 @@ static float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   g_warps[w]->arrive_and_wait();
   return r;
 }
-struct Strides { long long v[8]; long long operator[](int i) const { return v[i]; } };
+struct Ints { long long v[8]; long long operator[](int i) const { return v[i]; } };
 """
 
 
-def run(body: str, inputs: list, outputs: list, template: list, blocks: int, threads: int) -> list[np.ndarray]:
+def run(body: str, inputs: list, outputs: list, template: list, blocks: int | tuple[int, int], threads: int) -> list[np.ndarray]:
     """inputs: (name, C-contiguous float32 or int32 array, strides in elements or None); with
-    strides the body sees `<name>_strides` and the array is its buffer. outputs: (name, shape),
-    float32. template: (name, int or C type name). Returns the outputs."""
+    strides the body sees `<name>_strides` and the array is its buffer, without them its
+    `<name>_shape`. outputs: (name, shape), float32. template: (name, int or C type name).
+    blocks: the grid in blocks, x or (x, y); threads: the block size along x. Returns the outputs."""
+    bx, by = (blocks, 1) if isinstance(blocks, int) else blocks
     sig, reads, args = [], [], []
     for i, (name, a, strides) in enumerate(inputs):
         ctype = {np.dtype(np.float32): "float", np.dtype(np.int32): "int"}[a.dtype]
         sig.append(f"const {ctype}* {name}")
         reads.append(f"std::vector<char> in{i}({a.nbytes}); fread(in{i}.data(), 1, {a.nbytes}, f);")
         args.append(f"(const {ctype}*)in{i}.data()")
-        if strides is not None:
-            sig.append(f"Strides {name}_strides")
-            args.append("Strides{{" + ", ".join(map(str, list(strides) + [0] * (8 - len(strides)))) + "}}")
+        ints, values = ("strides", strides) if strides is not None else ("shape", a.shape)
+        sig.append(f"Ints {name}_{ints}")
+        args.append("Ints{{" + ", ".join(map(str, list(values) + [0] * (8 - len(values)))) + "}}")
     for j, (name, shape) in enumerate(outputs):
         sig.append(f"float* {name}")
         reads.append(f"std::vector<float> out{j}({int(np.prod(shape))});")
@@ -67,7 +71,8 @@ def run(body: str, inputs: list, outputs: list, template: list, blocks: int, thr
         "int main(int argc, char** argv) {\n  FILE* f = fopen(argv[1], \"rb\");\n  " + "\n  ".join(reads) + "\n  fclose(f);\n"
         f"  for (int w = 0; w < {threads // 32}; ++w) g_warps.push_back(new std::barrier<>(32));\n"
         f"  g_block = new std::barrier<>({threads});\n"
-        f"  for (int b = 0; b < {blocks}; ++b) {{\n"
+        f"  g_threads = {threads}; g_blocks_x = {bx};\n"
+        f"  for (int b = 0; b < {bx * by}; ++b) {{\n"
         "    std::vector<std::thread> team;\n"
         f"    for (int t = 0; t < {threads}; ++t)\n"
         f"      team.emplace_back([&, b, t]() {{ tl_thread = t; tl_block = b; kernel({', '.join(args)}); }});\n"

@@ -6,12 +6,14 @@ machine without the kernel skips them instead of silently comparing the referenc
 """
 
 import itertools
+from importlib import resources
 
 import mlx.core as mx
 import mlx.utils as nn_utils
 import numpy as np
 import pytest
 
+import cuda_emulator
 from factories import GPU_BACKENDS
 
 from mlx_hybrid.scan import selective_scan, selective_scan_kernel, selective_scan_ref
@@ -253,3 +255,98 @@ def check_step_parity(backend, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_step_kernel_matches_unfused_path(backend, dtype, monkeypatch):
     check_step_parity(backend, dtype, monkeypatch)
+
+
+# A verification tree: two roots, and a chain (0 -> 1 -> 3 -> 7 -> 8) longer than the conv
+# window, so that node windows come from the cache, from nodes and from both.
+STEP_TREE = [-1, 0, 0, 1, 1, 2, -1, 3, 7, 6]
+
+
+def check_tree_step_parity(dtype, kernel, monkeypatch, shapes=STEP_SHAPES):
+    """Each mixer with the fused kernel (`kernel()` installs it) against its unfused path: a
+    5-token prefix (unfused), a verification tree (outputs, and the window and state after every
+    node), accepting a path, then two decode steps from the accepted state."""
+    from mlx_hybrid.cache import StateCache
+    from mlx_hybrid.models import hybrid
+    from mlx_hybrid.speculative.tree import Tree
+
+    atol, rtol = PARITY_TOL[dtype]
+    worst = 0.0
+    for kind, n, repeats, batch in shapes:
+        layer = step_layer(kind, n, repeats, dtype, seed=2 * n + repeats + batch)
+        u = (mx.random.normal((batch, 5 + len(STEP_TREE) + 2, HIDDEN)) * 0.5).astype(dtype)
+        fused, ref = StateCache(), StateCache()
+        monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
+        layer(u[:, :5], ref)
+        fused.arrays, fused.offset = list(ref.arrays), ref.offset
+        case = f"{dtype} {kind} n={n} repeats={repeats} batch={batch}"
+
+        def compare(got, want, what):
+            nonlocal worst
+            got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+            np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"{case}: {what}")
+            worst = max(worst, float(np.abs(got - want).max()))
+
+        nodes = u[:, 5 : 5 + len(STEP_TREE)]
+        with mx.stream(mx.gpu if kernel.__name__ != "emulated" else mx.cpu):
+            kernel()
+            y = layer(nodes, fused, Tree.from_parents(STEP_TREE))
+            monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
+            y_ref = layer(nodes, ref, Tree.from_parents(STEP_TREE))
+            compare(y, y_ref, "tree outputs")
+            for node in range(len(STEP_TREE)):
+                for got, want, what in zip(fused.pending(node), ref.pending(node), ("window", "state")):
+                    compare(got, want, f"{what} after node {node}")
+            for c in (fused, ref):
+                c.accept([0, 1, 3, 7, 8])
+            for t in range(5 + len(STEP_TREE), u.shape[1]):
+                kernel()
+                y = layer(u[:, t : t + 1], fused)
+                monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
+                compare(y, layer(u[:, t : t + 1], ref), f"decode step after the accepted path, token {t}")
+                for got, want, what in zip(fused.arrays, ref.arrays, ("window", "state")):
+                    compare(got, want, f"{what} after token {t}")
+    return worst
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_tree_step_kernel_matches_unfused_path(backend, dtype, monkeypatch):
+    from mlx_hybrid.models import hybrid
+
+    def installed():
+        monkeypatch.setattr(hybrid, "kernel_backend", lambda: backend)
+
+    worst = check_tree_step_parity(dtype, installed, monkeypatch)
+    print(f"\n{backend} ssm_step over a tree {dtype}: {len(STEP_SHAPES)} shapes, max |fused - unfused| {worst:.3g}")
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
+def test_tree_step_cuda_body_on_the_cpu_matches_unfused_path(monkeypatch):
+    """The GPU test above on every machine: the model code calls `ssm_step`, whose CUDA body runs
+    on the CPU (tests/cuda_emulator.py) with the arguments `ssm_step_launch` gives the kernel."""
+    from mlx_hybrid import scan
+    from mlx_hybrid.models import hybrid
+
+    body = resources.files("mlx_hybrid.metal_kernels").joinpath("ssm_step.cu").read_text()
+
+    def run_body(*args, backend, **kwargs):
+        launch = scan.ssm_step_launch(*args, **kwargs)
+        threads = launch["threadgroup"][0]
+        d, b, _ = launch["grid"]
+        outs = cuda_emulator.run(
+            body,
+            inputs=[(name, np.array(a), None) for name, a in zip(scan.STEP_INPUTS, launch["inputs"])],
+            outputs=list(zip(("g", "window_out", "state_out"), launch["output_shapes"])),
+            template=[(k, "float" if k == "T" else int(v)) for k, v in launch["template"]],
+            blocks=(-(-d // threads), b),
+            threads=threads,
+        )
+        return [mx.array(o) for o in outs]
+
+    def emulated():
+        monkeypatch.setattr(hybrid, "kernel_backend", lambda: "cuda")
+        monkeypatch.setattr(hybrid, "ssm_step", run_body)
+
+    shapes = [("mamba", 16, 4, 2), ("mamba2", 16, 4, 2), ("mamba2", 64, 1, 1)]
+    check_tree_step_parity(mx.float32, emulated, monkeypatch, shapes)

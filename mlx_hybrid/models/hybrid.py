@@ -196,6 +196,19 @@ class CausalConv(nn.Module):
         return window, self.weight.reshape(C, K), bias
 
 
+def _parents(tree) -> mx.array | None:
+    """The tree's parents for `ssm_step` (one array per pass, shared with the attention layers)."""
+    return None if tree is None else tree.once("parents", tree.parent_array)
+
+
+def _advance(cache: StateCache, window: mx.array, state: mx.array, tree):
+    """After `ssm_step`: the decode step's window and state, or every node's until `accept`."""
+    if tree is None:
+        cache.update([window, state], 1)
+    else:
+        cache.pending = lambda node: [window[:, node], state[:, node]]
+
+
 class Mamba(nn.Module):
     """MambaInLlama's Mamba layer: per-channel dt and A (d_inner x d_state), x gated by silu(z).
 
@@ -226,15 +239,15 @@ class Mamba(nn.Module):
     def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
         """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
-        if u.shape[1] == 1 and tree is None and (backend := kernel_backend()):
+        if (u.shape[1] == 1 or tree is not None) and (backend := kernel_backend()):
             proj = self.in_proj(u)
             dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
             d_xb, d_inner = self.d_xb, self.d_inner
             y, window, state = ssm_step(
-                proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state,
+                proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state, _parents(tree),
                 mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
             )
-            cache.update([window, state], 1)
+            _advance(cache, window, state, tree)
             return self.out_proj(y)
         x, z, Bm, Cm, dt = self.project(u)
         A = -mx.exp(self.A_log.astype(mx.float32)).T
@@ -273,12 +286,12 @@ class Mamba2(nn.Module):
         n, r = self.d_state, self.repeats
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
         proj = self.in_proj(u)
-        if L == 1 and tree is None and (backend := kernel_backend()):
+        if (L == 1 or tree is not None) and (backend := kernel_backend()):
             y, window, state = ssm_step(
                 proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
-                state, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
+                state, _parents(tree), mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
             )
-            cache.update([window, state], 1)
+            _advance(cache, window, state, tree)
             return self.out_proj(_head_rms_norm(y, self.norm.weight, n, self.eps))
         z, xBC, dt = mx.split(proj, [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
         if tree is not None:
