@@ -7,6 +7,7 @@ memory is a static array (one block lives at a time), `__syncthreads` a std::bar
 block, and `__shfl_xor_sync` an exchange through memory between two barriers of the warp.
 """
 
+import hashlib
 import shutil
 import subprocess
 import tempfile
@@ -81,14 +82,11 @@ def run(body: str, inputs: list, outputs: list, template: list, blocks: int | tu
         + "".join(f"  fwrite(out{j}.data(), 4, out{j}.size(), g);\n" for j in range(len(outputs)))
         + "  fclose(g);\n}\n"
     )
+    binary = _build(source)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        (d / "kernel.cpp").write_text(source)
-        build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", d / "kernel", d / "kernel.cpp"], capture_output=True, text=True)
-        if build.returncode:
-            raise RuntimeError("the kernel body does not compile:\n" + build.stderr[:4000])
         (d / "in.bin").write_bytes(b"".join(np.ascontiguousarray(a).tobytes() for _, a, _ in inputs))
-        subprocess.run([d / "kernel", d / "in.bin", d / "out.bin"], check=True)
+        subprocess.run([binary, d / "in.bin", d / "out.bin"], check=True)
         raw = np.fromfile(d / "out.bin", np.float32)
     results, at = [], 0
     for _, shape in outputs:
@@ -96,3 +94,20 @@ def run(body: str, inputs: list, outputs: list, template: list, blocks: int | tu
         results.append(raw[at : at + n].reshape(shape))
         at += n
     return results
+
+
+_BUILDS = tempfile.TemporaryDirectory()  # removed when the process exits
+_BUILT: dict[str, Path] = {}
+
+
+def _build(source: str) -> Path:
+    """The compiled program for source, built once per process (cases of one shape share it)."""
+    key = hashlib.sha1(source.encode()).hexdigest()
+    if key not in _BUILT:
+        d = Path(_BUILDS.name)
+        (d / f"{key}.cpp").write_text(source)
+        build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", d / key, d / f"{key}.cpp"], capture_output=True, text=True)
+        if build.returncode:
+            raise RuntimeError("the kernel body does not compile:\n" + build.stderr[:4000])
+        _BUILT[key] = d / key
+    return _BUILT[key]

@@ -8,6 +8,11 @@ import pytest
 
 SHARED = [("expf(", "metal::exp("), ("logf(", "metal::log(")]
 SPELLINGS = {
+    "pack_beams": [
+        ("threadIdx.x", "thread_position_in_threadgroup.x"),
+        ("__shared__ ", "threadgroup "),
+        ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
+    ],
     "selective_scan": [
         ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
         ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
@@ -15,6 +20,11 @@ SPELLINGS = {
     "ssm_step": [
         ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
         ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
+    ],
+    "greedy_accept": [
+        ("threadIdx.x", "thread_position_in_threadgroup.x"),
+        ("__shared__ ", "threadgroup "),
+        ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
     ],
     "tree_attention": [
         ("blockIdx.x", "threadgroup_position_in_grid.x"),

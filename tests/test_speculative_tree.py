@@ -12,7 +12,8 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import make_hf_model_dir
+import cuda_emulator
+from factories import GPU_BACKENDS, make_hf_model_dir
 
 from mlx_hybrid.cache import KVCache, accept_path
 from mlx_hybrid.loader import load_model
@@ -129,6 +130,56 @@ def test_pack_beams_random():
         assert np.array(p.tree.depths).tolist() == tree_depths(parents).tolist()
 
 
+def beam_cases(seed: int):
+    """Beams of several sizes (thread counts below, at and above a warp) with many shared prefixes."""
+    rng = np.random.default_rng(seed)
+    for width, length in [(1, 2), (4, 5), (6, 4), (8, 5), (3, 7)]:
+        for _ in range(3):
+            beams = rng.integers(0, 3, (width, length))
+            beams[:, 0] = 7
+            yield beams
+
+
+def packed_arrays(p) -> list[np.ndarray]:
+    return [np.array(a) for a in (p.tokens, p.tree.parents, p.tree.depths, p.tree.mask, p.node_of, p.count)]
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
+def test_pack_beams_cuda_body_on_the_cpu_matches_reference():
+    from importlib import resources
+
+    from mlx_hybrid.speculative.tree import pack_beams_ref
+
+    body = resources.files("mlx_hybrid.metal_kernels").joinpath("pack_beams.cu").read_text()
+    for beams in beam_cases(8):
+        width, length = beams.shape
+        want = packed_arrays(pack_beams_ref(beams))
+        size = width * (length - 1) + 1
+        got = cuda_emulator.run(
+            body,
+            inputs=[("beams", beams.astype(np.int32), None)],
+            outputs=[("tokens", (size,)), ("parents", (size,)), ("depths", (size,)), ("mask", (size, size)),
+                     ("node_of", (width, length)), ("count", (1,))],
+            template=[("BW", width), ("BL", length), ("TN", size)],
+            blocks=1,
+            threads=width * length,
+        )
+        for name, g, w in zip(("tokens", "parents", "depths", "mask", "node_of", "count"), got, want):
+            assert g.reshape(w.shape).astype(w.dtype).tolist() == w.tolist(), f"{name} for beams {beams.tolist()}"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_pack_beams_kernel_matches_reference(backend, monkeypatch):
+    from mlx_hybrid.speculative import tree
+
+    monkeypatch.setattr(tree, "kernel_backend", lambda: backend)
+    with mx.stream(mx.gpu):
+        for beams in beam_cases(9):
+            got, want = packed_arrays(tree.pack_beams(beams)), packed_arrays(tree.pack_beams_ref(beams))
+            for g, w in zip(got, want):
+                assert g.tolist() == w.tolist(), f"beams {beams.tolist()}"
+
+
 def test_kv_cache_accept_compacts():
     cache = KVCache()
     rows = lambda a, b: mx.broadcast_to(mx.arange(a, b, dtype=mx.float32)[None, None, :, None], (1, 2, b - a, 4))
@@ -191,16 +242,15 @@ def test_chain_pass_then_accept_is_a_trim(model):
     np.testing.assert_allclose(np.array(got[0, -1]), np.array(ref[0, len(prefix) + 2]), atol=ATOL)
 
 
-def test_greedy_rows_equals_host_greedy():
-    """Device-side greedy acceptance over a tree's rows against the host walk (`accept.greedy`), on
-    Medusa trees and packed beams whose tokens often match the argmax (so long paths occur).
-    Siblings hold distinct tokens, as both proposers make them."""
-    from mlx_hybrid.speculative.accept import Candidates, Draft, greedy, greedy_rows
+def greedy_cases(count: int, seed: int = 4):
+    """(draft, logits, n, parents): Medusa trees and packed beams whose tokens often match the
+    argmax, so that long paths occur. Siblings hold distinct tokens, as both proposers make them."""
+    from mlx_hybrid.speculative.accept import Draft
 
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(seed)
     V = 5
     medusa = MedusaTree(cartesian_paths([2, 2, 1]))
-    for trial in range(60):
+    for trial in range(count):
         if trial % 2:
             beams = rng.integers(0, 3, (4, 4))
             beams[:, 0] = 1
@@ -214,6 +264,14 @@ def test_greedy_rows_equals_host_greedy():
             n, parents = len(medusa), medusa.parents
         logits = mx.array(rng.standard_normal((len(draft.tokens), V)).astype(np.float32))
         logits[:, :3] += 4  # the argmax is usually one of the drafted tokens
+        yield draft, logits, n, parents
+
+
+def test_greedy_rows_equals_host_greedy():
+    """Device-side greedy acceptance over a tree's rows against the host walk (`accept.greedy`)."""
+    from mlx_hybrid.speculative.accept import Candidates, greedy, greedy_rows
+
+    for draft, logits, n, parents in greedy_cases(60):
         path, nxt = greedy(Candidates(np.array(draft.tokens)[:n], parents), logits[:n])
         info, last = greedy_rows(draft, logits)
         info = info.tolist()
@@ -221,3 +279,47 @@ def test_greedy_rows_equals_host_greedy():
         assert info[0] == len(path) - 1 and info[1] == nxt and last.item() == path[-1]
         assert info[2 : 3 + info[0]] == path
         assert info[3 + width : 3 + width + info[0]] == np.array(draft.tokens)[path[1:]].tolist()
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
+def test_greedy_accept_cuda_body_on_the_cpu_matches_reference():
+    """The acceptance kernel's CUDA body (tests/cuda_emulator.py) against `greedy_rows_ref`: also
+    a tree with more rows than the block has threads, where nothing or one row is accepted (ties:
+    the first row wins), and a sparse tree whose rows are padded."""
+    from importlib import resources
+
+    from mlx_hybrid.speculative.accept import Draft, greedy_rows_ref
+
+    body = resources.files("mlx_hybrid.metal_kernels").joinpath("greedy_accept.cu").read_text()
+    rng = np.random.default_rng(5)
+    extra = []
+    for tree, top_k, V, boost in [(MedusaTree(cartesian_paths([40, 2])), 40, 50, 45), (MedusaTree(cartesian_paths([40, 2])), 40, 50, 0),
+                                  (MedusaTree([[0], [1], [0, 0], [0, 1], [0, 0, 0], [1, 0]]), 3, 5, 0)]:
+        for _ in range(3):
+            top = [mx.array(rng.permutation(top_k)) for _ in tree.topk]
+            logits = mx.array(rng.standard_normal((len(tree), V)).astype(np.float32))
+            logits[:, boost : boost + 2] += 4  # boost 45: no drafted token is ever the argmax
+            extra.append((Draft(tree.tokens(mx.array([1]), top), tree.tree, mx.array(tree.retrieve)), logits))
+    for draft, logits in [c[:2] for c in greedy_cases(12, seed=6)] + extra:
+        want_info, want_last = greedy_rows_ref(draft.tokens, draft.rows, logits)
+        info, last = cuda_emulator.run(
+            body,
+            inputs=[("tokens", np.array(draft.tokens, np.int32), None), ("rows", np.array(draft.rows, np.int32), None),
+                    ("best", np.array(mx.argmax(logits, axis=-1), np.int32), None)],
+            outputs=[("info", want_info.shape), ("last", (1,))],
+            template=[("TB", "unsigned int")],
+            blocks=1,
+            threads=32,
+        )
+        assert info.astype(np.int32).tolist() == want_info.tolist() and int(last[0]) == want_last.item()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_greedy_accept_kernel_matches_reference(backend):
+    from mlx_hybrid.speculative.accept import greedy_rows_kernel, greedy_rows_ref
+
+    with mx.stream(mx.gpu):
+        for draft, logits, _, _ in greedy_cases(40, seed=7):
+            want_info, want_last = greedy_rows_ref(draft.tokens, draft.rows, logits)
+            info, last = greedy_rows_kernel(draft.tokens, draft.rows, mx.argmax(logits, axis=-1), backend=backend)
+            assert info.tolist() == want_info.tolist() and last.item() == want_last.item()

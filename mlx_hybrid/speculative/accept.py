@@ -24,6 +24,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_hybrid.generate import SamplingParams
+from mlx_hybrid.kernels import kernel_backend, load_kernel
 from mlx_hybrid.speculative.tree import Tree
 
 
@@ -102,12 +103,31 @@ def greedy_rows(draft: Draft, logits: mx.array) -> tuple[mx.array, mx.array]:
     tokens, so every row that accepts the most drafts accepts the same path.
 
     Returns info, int32 [accepted drafts n, next token, the best row's nodes, their tokens] (the
-    path is the first n + 1 nodes of the row), and the path's last node."""
-    return _greedy_rows(draft.tokens, draft.rows, logits)
+    path is the first n + 1 nodes of the row), and the path's last node. On a GPU this is an
+    argmax and one kernel launch (metal_kernels/greedy_accept.cu), not ~18 small ops."""
+    backend = kernel_backend()
+    if backend is None:
+        return greedy_rows_ref(draft.tokens, draft.rows, logits)
+    return greedy_rows_kernel(draft.tokens, draft.rows, mx.argmax(logits, axis=-1), backend=backend)
+
+
+def greedy_rows_kernel(tokens: mx.array, rows: mx.array, best: mx.array, *, backend: str) -> tuple[mx.array, mx.array]:
+    """`greedy_rows_ref` on the 'metal' or 'cuda' kernel, from the argmax at each node."""
+    width = rows.shape[1]
+    info, last = load_kernel(backend, "greedy_accept", ("tokens", "rows", "best"), ("info", "last"))(
+        inputs=[tokens.astype(mx.int32), rows.astype(mx.int32), best],
+        template=[("TB", best.dtype)],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(2 + 2 * width,), ()],
+        output_dtypes=[mx.int32, mx.int32],
+    )
+    return info, last
 
 
 @mx.compile  # a dozen small ops with one shape per tree: one fused replay per pass
-def _greedy_rows(tokens: mx.array, rows: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
+def greedy_rows_ref(tokens: mx.array, rows: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
+    """`greedy_rows` in MLX ops, the reference and the path on devices without the kernel."""
     best = mx.argmax(logits, axis=-1).astype(mx.int32)
     safe = mx.maximum(rows, 0)
     tokens = tokens.astype(mx.int32)
