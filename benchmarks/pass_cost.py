@@ -95,6 +95,7 @@ with mx.stream(generation_stream):
         "qmm4": lambda x: mx.quantized_matmul(x, *q4, True, 64, 4),
         "qmm8": lambda x: mx.quantized_matmul(x, *q8, True, 64, 8),
         "rms_norm": lambda x: mx.fast.rms_norm(x, None, 1e-5),
+        "transpose": lambda x: x.T,  # a view: no data moves (what graph_ops.py counts apart)
     }
     for name, op in ops.items():
         for T in (1, 34):
