@@ -21,6 +21,13 @@ SPELLINGS = {
         ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
         ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
     ],
+    "beam_topk": [
+        ("threadIdx.x", "thread_position_in_threadgroup.x"),
+        ("blockIdx.x", "threadgroup_position_in_grid.x"),
+        ("__shared__ ", "threadgroup "),
+        ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
+        ("fmaxf(", "metal::max("),
+    ],
     "greedy_accept": [
         ("threadIdx.x", "thread_position_in_threadgroup.x"),
         ("__shared__ ", "threadgroup "),

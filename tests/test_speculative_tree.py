@@ -180,6 +180,80 @@ def test_pack_beams_kernel_matches_reference(backend, monkeypatch):
                 assert g.tolist() == w.tolist(), f"beams {beams.tolist()}"
 
 
+# (batch, beams so far, vocabulary, k): the first step (one beam), vocabularies not a multiple of
+# the 128 threads, k = 16 (the kernel's most), k = beams x vocabulary (everything kept).
+BEAM_STEPS = [(1, 1, 300, 4), (2, 4, 300, 4), (1, 4, 1000, 8), (3, 3, 50, 3), (1, 8, 129, 16), (2, 1, 3, 3)]
+
+
+def beam_step_case(batch, beams, vocab, seed):
+    rng = np.random.default_rng(seed)
+    logits = mx.array((3 * rng.standard_normal((batch, beams, vocab))).astype(np.float32))
+    scores = mx.array(-np.sort(rng.uniform(0, 5, (batch, beams)), axis=1).astype(np.float32))
+    return logits, scores
+
+
+def check_beam_step(got, want, case):
+    for name, g, w in zip(("origin", "token"), got[:2], want[:2]):
+        assert np.array(g).astype(np.int64).tolist() == np.array(w).astype(np.int64).tolist(), f"{name}, {case}"
+    np.testing.assert_allclose(np.array(got[2]), np.array(want[2]), atol=1e-5, rtol=1e-5, err_msg=f"score, {case}")
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
+def test_beam_topk_cuda_body_on_the_cpu_matches_reference():
+    """The beam-step kernel's CUDA body (tests/cuda_emulator.py) against `beam_step_ref`: the
+    log-normalizer merged across threads, each thread's sorted candidates, the pairwise merge."""
+    from importlib import resources
+
+    from mlx_hybrid.speculative.redrafter import beam_step_ref
+
+    body = resources.files("mlx_hybrid.metal_kernels").joinpath("beam_topk.cu").read_text()
+    for i, (batch, beams, vocab, k) in enumerate(BEAM_STEPS):
+        logits, scores = beam_step_case(batch, beams, vocab, seed=i)
+        got = cuda_emulator.run(
+            body,
+            inputs=[("logits", np.array(logits), None), ("scores", np.array(scores), None)],
+            outputs=[("origin", (batch, k)), ("token", (batch, k)), ("score", (batch, k))],
+            template=[("T", "float"), ("K", k), ("TG", 128)],
+            blocks=batch,
+            threads=128,
+        )
+        check_beam_step(got, beam_step_ref(logits, scores, k), f"batch {batch}, {beams} beams, vocabulary {vocab}, k {k}")
+    # Ties go to the lower beam x vocabulary index: integer logits (equal scores within a beam, kept
+    # apart in the merge), and ten equal best tokens all in thread 0's stride (kept apart in one
+    # thread's list).
+    rng = np.random.default_rng(3)
+    one_thread = np.zeros((1, 1, 1280), np.float32)
+    one_thread[0, 0, ::128] = 2.0
+    for logits, scores in [(rng.integers(0, 3, (1, 3, 2000)).astype(np.float32), np.array([[-0.3, -1.7, -2.2]], np.float32)),
+                           (one_thread, np.zeros((1, 1), np.float32))]:
+        got = cuda_emulator.run(
+            body,
+            inputs=[("logits", logits, None), ("scores", scores, None)],
+            outputs=[("origin", (1, 8)), ("token", (1, 8)), ("score", (1, 8))],
+            template=[("T", "float"), ("K", 8), ("TG", 128)],
+            blocks=1,
+            threads=128,
+        )
+        V = logits.shape[2]
+        total = (scores[..., None] + logits - np.log(np.exp(logits).sum(-1, keepdims=True))).reshape(-1)
+        best = np.argsort(-total, kind="stable")[:8]
+        assert got[0][0].tolist() == (best // V).tolist() and got[1][0].tolist() == (best % V).tolist()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_beam_topk_kernel_matches_reference(backend, dtype, monkeypatch):
+    from mlx_hybrid.speculative import redrafter
+
+    monkeypatch.setattr(redrafter, "kernel_backend", lambda: backend)
+    with mx.stream(mx.gpu):
+        for i, (batch, beams, vocab, k) in enumerate(BEAM_STEPS):
+            logits, scores = beam_step_case(batch, beams, vocab, seed=10 + i)
+            logits = logits.astype(dtype)  # both sides read the same rounded logits
+            got, want = redrafter.beam_step(logits, scores, k), redrafter.beam_step_ref(logits, scores, k)
+            check_beam_step(got, want, f"{dtype}, batch {batch}, {beams} beams, vocabulary {vocab}, k {k}")
+
+
 def test_kv_cache_accept_compacts():
     cache = KVCache()
     rows = lambda a, b: mx.broadcast_to(mx.arange(a, b, dtype=mx.float32)[None, None, :, None], (1, 2, b - a, 4))
