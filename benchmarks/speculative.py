@@ -37,6 +37,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from run import SYNTHETIC, device_description, make_synthetic, slugify, update_readme  # noqa: E402
 
+from mlx_hybrid.chat import render_chat  # noqa: E402
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
 from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
@@ -206,8 +207,7 @@ def main(argv=None) -> int:
     elif args.prompt_set == "chat":  # questions held out from every training run (chat_prompts.txt)
         tokenizer = load_tokenizer(target_dir)
         lines = CHAT_PROMPTS.read_text().splitlines()[: args.prompts]
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in lines]
-        prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+        prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in lines]
         prompt_desc = f"each of {len(prompts)} held-out chat questions"
     else:  # real text: the held-out half of the shipped prompts (the tuner calibrates on the other half)
         tokenizer = load_tokenizer(target_dir)

@@ -21,6 +21,16 @@ from mlx_hybrid.cache import trim_cache
 from mlx_hybrid.generate import GenerationResponse, SamplingParams, common_prefix, context_limit, stream_generate
 
 
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt tokens of a conversation, ending where the assistant speaks: the tokenizer's chat
+    template, or "role: content" lines for a tokenizer without one."""
+    if tokenizer.chat_template is None:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return tokenizer.encode(text)
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) else out)
+
+
 class ChatSession:
     def __init__(
         self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None, memory_budget=None,
@@ -58,11 +68,7 @@ class ChatSession:
         return self.model.make_cache(self.dsla_layers) if self.dsla_layers else self.model.make_cache()
 
     def render(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer.chat_template is None:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-            return self.tokenizer.encode(text)
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        return render_chat(self.tokenizer, messages)
 
     def send(
         self, text: str, max_tokens: int = 512, sampling: SamplingParams | None = None

@@ -63,8 +63,8 @@ def main() -> int:
     seeds = write_prompts(out / "question-prompts.jsonl", [user_turn_prefix(tokenizer)] * c["questions"])
     asked = out / "questions.jsonl"
     if not asked.is_file():
-        cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(seeds), out=str(asked), temperature=1.0,
-                   top_p=0.95, seed=1, max_new_tokens=c["max_question_tokens"], batch_size=c["question_batch_size"])
+        cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(seeds), out=str(asked), temperature=c["question_temperature"],
+                   top_p=c["question_top_p"], seed=c["question_seed"], max_new_tokens=c["max_question_tokens"], batch_size=c["question_batch_size"])
         stage("questions", cfg, out, False, timings, kind="pseudo-labels")
     benchmark = {q.strip().lower() for q in BENCHMARK_PROMPTS.read_text().splitlines()} if BENCHMARK_PROMPTS.is_file() else set()
     eos = tokenizer.eos_token_id if c["ended_only"] else None
