@@ -12,6 +12,8 @@ the end of the accepted path, so accepted tokens are never run again. A KV cache
 candidates' rows after such a pass and `accept` moves the accepted path's rows together.
 """
 
+import functools
+
 import mlx.core as mx
 
 STEP = 256
@@ -97,10 +99,11 @@ class KVCache:
         # each op costs host time whatever its size.
         keep = next((i for i, p in enumerate(path) if p != i), len(path))
         if keep < len(path):
-            rows = mx.array([base + p for p in path[keep:]], mx.int32)
-            end = base + len(path)
-            self.keys[..., base + keep : end, :] = mx.take(self.keys, rows, axis=2)
-            self.values[..., base + keep : end, :] = mx.take(self.values, rows, axis=2)
+            rows, end = tuple(base + p for p in path[keep:]), base + len(path)
+            for name in ("keys", "values"):
+                buffer = getattr(self, name)
+                index = _row_index(rows, (*buffer.shape[:2], len(rows), buffer.shape[3]))
+                buffer[..., base + keep : end, :] = mx.take_along_axis(buffer, index, axis=2)
         self.offset = self.start + base + len(path)
 
     def trimmable(self) -> int:
@@ -122,6 +125,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
+
+
+@functools.lru_cache(maxsize=8)
+def _row_index(rows: tuple[int, ...], shape: tuple[int, ...]) -> mx.array:
+    """Buffer rows to gather, broadcast to shape: built once for all the layers that move the same
+    rows (a broadcast is an op too)."""
+    return mx.broadcast_to(mx.array(rows, mx.int32)[None, None, :, None], shape)
 
 
 class StateCache:
