@@ -98,7 +98,8 @@ with mx.stream(generation_stream):
         "transpose": lambda x: x.T,  # a view: no data moves (what graph_ops.py counts apart)
     }
     for name, op in ops.items():
-        for T in (1, 34):
+        # Matmuls at every pass size: how a verification's cost grows with its candidates.
+        for T in (1, 8, 17, 34, 64) if name in ("matmul", "qmm4") else (1, 34):
             x = mx.random.normal((T, 576)).astype(mx.float16)
             mx.eval(x, W, q4, q8)
             def chain():
