@@ -61,9 +61,9 @@ def test_medusa_tree_from_paths():
     assert t.paths == [[0], [0, 0], [1], [0, 1], [1, 0], [0, 0, 2]]
     assert t.parents == [-1, 0, 1, 0, 1, 3, 2]
     assert t.topk == [2, 2, 3]
-    # Flat token layout: [root, head0 top-2, head1 top-2, head2 top-3].
-    assert t.token_index.tolist() == [0, 1, 3, 2, 4, 3, 7]
-    tokens = t.tokens(mx.array([9]), [mx.array([10, 11, 12]), mx.array([20, 21]), mx.array([30, 31, 32])])
+    # Flat token layout for k = 3: [root, head0 top-3, head1 top-3, head2 top-3].
+    assert t.token_index(3).tolist() == [0, 1, 4, 2, 5, 4, 9]
+    tokens = t.tokens(mx.array([9]), mx.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]]))
     assert tokens.tolist() == [9, 10, 20, 11, 21, 20, 32]
     assert np.array(t.tree.depths).tolist() == [0, 1, 2, 1, 2, 2, 3]
     assert t.retrieve.tolist() == [[0, 1, 4, -1], [0, 3, 5, -1], [0, 1, 2, 6]]
@@ -204,7 +204,7 @@ def test_beam_topk_cuda_body_on_the_cpu_matches_reference():
     log-normalizer merged across threads, each thread's sorted candidates, the pairwise merge."""
     from importlib import resources
 
-    from mlx_hybrid.speculative.redrafter import beam_step_ref
+    from mlx_hybrid.speculative.topk import beam_step_ref
 
     body = resources.files("mlx_hybrid.metal_kernels").joinpath("beam_topk.cu").read_text()
     for i, (batch, beams, vocab, k) in enumerate(BEAM_STEPS):
@@ -243,14 +243,14 @@ def test_beam_topk_cuda_body_on_the_cpu_matches_reference():
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_beam_topk_kernel_matches_reference(backend, dtype, monkeypatch):
-    from mlx_hybrid.speculative import redrafter
+    from mlx_hybrid.speculative import topk
 
-    monkeypatch.setattr(redrafter, "kernel_backend", lambda: backend)
+    monkeypatch.setattr(topk, "kernel_backend", lambda: backend)
     with mx.stream(mx.gpu):
         for i, (batch, beams, vocab, k) in enumerate(BEAM_STEPS):
             logits, scores = beam_step_case(batch, beams, vocab, seed=10 + i)
             logits = logits.astype(dtype)  # both sides read the same rounded logits
-            got, want = redrafter.beam_step(logits, scores, k), redrafter.beam_step_ref(logits, scores, k)
+            got, want = topk.beam_step(logits, scores, k), topk.beam_step_ref(logits, scores, k)
             check_beam_step(got, want, f"{dtype}, batch {batch}, {beams} beams, vocabulary {vocab}, k {k}")
 
 
@@ -333,7 +333,7 @@ def greedy_cases(count: int, seed: int = 4):
             draft = Draft(packed.tokens, packed.tree, packed.node_of)
             parents = packed.tree.parents[:n].tolist()
         else:
-            top = [mx.array(rng.permutation(3)) for _ in medusa.topk]  # each head's distinct top-k
+            top = mx.stack([mx.array(rng.permutation(3)) for _ in medusa.topk])  # each head's distinct top-k
             draft = Draft(medusa.tokens(mx.array([1]), top), medusa.tree, mx.array(medusa.retrieve))
             n, parents = len(medusa), medusa.parents
         logits = mx.array(rng.standard_normal((len(draft.tokens), V)).astype(np.float32))
@@ -370,7 +370,7 @@ def test_greedy_accept_cuda_body_on_the_cpu_matches_reference():
     for tree, top_k, V, boost in [(MedusaTree(cartesian_paths([40, 2])), 40, 50, 45), (MedusaTree(cartesian_paths([40, 2])), 40, 50, 0),
                                   (MedusaTree([[0], [1], [0, 0], [0, 1], [0, 0, 0], [1, 0]]), 3, 5, 0)]:
         for _ in range(3):
-            top = [mx.array(rng.permutation(top_k)) for _ in tree.topk]
+            top = mx.stack([mx.array(rng.permutation(top_k)) for _ in tree.topk])
             logits = mx.array(rng.standard_normal((len(tree), V)).astype(np.float32))
             logits[:, boost : boost + 2] += 4  # boost 45: no drafted token is ever the argmax
             extra.append((Draft(tree.tokens(mx.array([1]), top), tree.tree, mx.array(tree.retrieve)), logits))

@@ -21,6 +21,7 @@ from mlx_hybrid.generate import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
+from mlx_hybrid.speculative.topk import beam_step
 from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths, expected_length, greedy_paths
 
 # Default tree without calibration: top-3 of head 0, top-2 of heads 1-2, top-1 further out.
@@ -109,6 +110,7 @@ class MedusaProposer:
         self.depth = self.tree.num_heads
         self._top = max(self.tree.topk)
         self._rows = mx.array(self.tree.retrieve)
+        self._no_scores = mx.zeros((self.depth, 1))
         # One shape per tree: compiled once, replayed each pass (see `ReDrafterProposer`).
         self._tokens = mx.compile(self._tree_tokens, inputs=heads.state)
 
@@ -117,11 +119,10 @@ class MedusaProposer:
         return Draft(self._tokens(root, hidden), self.tree.tree, self._rows)
 
     def _tree_tokens(self, root: mx.array, hidden: mx.array) -> mx.array:
-        logits = self.heads(hidden)[: self.depth]  # (depth, V)
-        top = mx.argpartition(-logits, self._top - 1, axis=-1)[:, : self._top]
-        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
-        top = mx.take_along_axis(top, order, axis=-1)
-        return self.tree.tokens(root.astype(mx.int32), [top[d].astype(mx.int32) for d in range(self.depth)])
+        logits = self.heads(hidden)[: self.depth, None]  # (depth, 1, V)
+        # Each head's best tokens, best first: a one-beam search step per head (one kernel on a GPU).
+        _, top, _ = beam_step(logits, self._no_scores, self._top)
+        return self.tree.tokens(root, top)
 
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
         tokens = self.draft(mx.array(history[-1:]), hidden).tokens

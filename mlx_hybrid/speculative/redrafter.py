@@ -22,10 +22,10 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
-from mlx_hybrid.kernels import kernel_backend, load_kernel
 from mlx_hybrid.speculative.accept import Candidates, Draft, target_logprobs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
 from mlx_hybrid.speculative.medusa import ResBlock
+from mlx_hybrid.speculative.topk import beam_step
 from mlx_hybrid.speculative.tree import Tree, pack_beams
 
 
@@ -109,34 +109,6 @@ class Drafter(nn.Module):
             beams.append(tokens)
             logq.append(lq)
         return mx.stack(beams, axis=1), mx.stack(logq, axis=1)
-
-
-def beam_step(logits: mx.array, scores: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
-    """The k best continuations of a beam search step, best first: for logits (B, W, V) after each
-    of W beams with log-probabilities scores (B, W), the beam each continues, its token and its
-    new score, each (B, k). On a GPU one kernel launch (metal_kernels/beam_topk.cu) instead of
-    ~14 small ops (`beam_step_ref`, the reference, which every other device runs)."""
-    backend = kernel_backend()
-    if backend is None or k > 16:  # the kernel keeps k candidates per thread in threadgroup memory
-        return beam_step_ref(logits, scores, k)
-    B = logits.shape[0]
-    return load_kernel(backend, "beam_topk", ("logits", "scores"), ("origin", "token", "score"))(
-        inputs=[logits, scores.astype(mx.float32)],
-        template=[("T", logits.dtype), ("K", k), ("TG", 128)],
-        grid=(128 * B, 1, 1),
-        threadgroup=(128, 1, 1),
-        output_shapes=[(B, k)] * 3,
-        output_dtypes=[mx.int32, mx.int32, mx.float32],
-    )
-
-
-def beam_step_ref(logits: mx.array, scores: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
-    """`beam_step` in MLX ops."""
-    B, _, V = logits.shape
-    total = (scores[..., None] + nn.log_softmax(logits.astype(mx.float32), axis=-1)).reshape(B, -1)
-    best = mx.argpartition(-total, k - 1, axis=-1)[:, :k]
-    best = mx.take_along_axis(best, mx.argsort(-mx.take_along_axis(total, best, axis=-1), axis=-1), axis=-1)
-    return best // V, best % V, mx.take_along_axis(total, best, axis=-1)
 
 
 def load_redrafter(path: str | Path, target: nn.Module, dtype: str | None = None) -> Drafter:

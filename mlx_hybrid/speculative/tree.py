@@ -143,19 +143,21 @@ class MedusaTree:
         # The largest rank used at each head: how many top-k tokens each head must supply.
         self.topk = [max(p[d] for p in paths if len(p) > d) + 1 for d in range(self.num_heads)]
         self.parents = [-1] + [node[p[:-1]] for p in paths]
-        # Where each node's token sits in [root, head 0's top-k, head 1's top-k, ...].
-        start = np.cumsum([1] + self.topk)
-        self.token_index = np.array([0] + [start[len(p) - 1] + p[-1] for p in paths], np.int32)
         self.tree = Tree.from_parents(self.parents)
         self.retrieve = retrieve_indices(self.parents)
 
     def __len__(self) -> int:
         return len(self.parents)
 
-    def tokens(self, root: mx.array, head_topk: list[mx.array]) -> mx.array:
-        """The tree's tokens (T,) from the root token (1,) and each head's top-k tokens, best first."""
-        flat = mx.concatenate([root.reshape(1)] + [t[:k] for t, k in zip(head_topk, self.topk)])
-        return flat[mx.array(self.token_index)]
+    def token_index(self, k: int) -> np.ndarray:
+        """Where each node's token sits in [root, head 0's top k, head 1's top k, ...]."""
+        return np.array([0] + [1 + (len(p) - 1) * k + p[-1] for p in self.paths], np.int32)
+
+    def tokens(self, root: mx.array, top: mx.array) -> mx.array:
+        """The tree's tokens (T,) from the root token (1,) and each head's top tokens, best first:
+        top (heads, k), k at least every head's top-k."""
+        flat = mx.concatenate([root.reshape(1).astype(top.dtype), top.reshape(-1)])
+        return flat[mx.array(self.token_index(top.shape[1]))]
 
 
 def cartesian_paths(topk: list[int]) -> list[list[int]]:
