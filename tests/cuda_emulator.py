@@ -4,15 +4,23 @@ algorithm are tested on machines without a GPU (CI has none; the GPU parity test
 The body is compiled by g++ as the function MLX's `mx.fast.cuda_kernel` would wrap it in, in
 float32, with one std::thread per CUDA thread and the blocks run one after another: `__shared__`
 memory is a static array (one block lives at a time), `__syncthreads` a std::barrier over the
-block, and `__shfl_xor_sync` an exchange through memory between two barriers of the warp.
+block, and `__shfl_xor_sync` an exchange through memory between two barriers of the warp. A
+program depends only on the body, the template and the argument names, not on sizes (read at run
+time), so it is built once per process for all the calls that share them.
+
+`load_kernel` stands in for `mlx_hybrid.kernels.load_kernel`: the model code then runs its GPU
+path with every kernel emulated (end-to-end tests of that path on the CPU).
 """
 
 import hashlib
 import shutil
+import struct
 import subprocess
 import tempfile
+from importlib import resources
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 AVAILABLE = shutil.which("g++") is not None
@@ -22,6 +30,7 @@ PRELUDE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 struct Dim { int x, y, z; };
@@ -44,6 +53,7 @@ static float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   return r;
 }
 struct Ints { long long v[8]; long long operator[](int i) const { return v[i]; } };
+static Ints read_ints(FILE* f) { Ints r; fread(r.v, 8, 8, f); return r; }
 """
 
 
@@ -53,40 +63,43 @@ def run(body: str, inputs: list, outputs: list, template: list, blocks: int | tu
     `<name>_shape`. outputs: (name, shape), float32. template: (name, int or C type name).
     blocks: the grid in blocks, x or (x, y); threads: the block size along x. Returns the outputs."""
     bx, by = (blocks, 1) if isinstance(blocks, int) else blocks
-    sig, reads, args = [], [], []
+    sig, reads, args, header = [], [], [], []
     for i, (name, a, strides) in enumerate(inputs):
         ctype = {np.dtype(np.float32): "float", np.dtype(np.int32): "int"}[a.dtype]
-        sig.append(f"const {ctype}* {name}")
-        reads.append(f"std::vector<char> in{i}({a.nbytes}); fread(in{i}.data(), 1, {a.nbytes}, f);")
-        args.append(f"(const {ctype}*)in{i}.data()")
         ints, values = ("strides", strides) if strides is not None else ("shape", a.shape)
-        sig.append(f"Ints {name}_{ints}")
-        args.append("Ints{{" + ", ".join(map(str, list(values) + [0] * (8 - len(values)))) + "}}")
+        sig += [f"const {ctype}* {name}", f"Ints {name}_{ints}"]
+        reads.append(f"Ints d{i} = read_ints(f); long long n{i} = read_ints(f)[0]; std::vector<char> in{i}(n{i} + 4); fread(in{i}.data(), 1, n{i}, f);")
+        args += [f"(const {ctype}*)in{i}.data()", f"d{i}"]
+        header.append((list(values), a))
     for j, (name, shape) in enumerate(outputs):
         sig.append(f"float* {name}")
-        reads.append(f"std::vector<float> out{j}({int(np.prod(shape))});")
+        reads.append(f"long long m{j} = read_ints(f)[0]; std::vector<float> out{j}(m{j} + 1);")
         args.append(f"out{j}.data()")
-    consts = "".join(f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n" for k, v in template)
+    consts = "".join(f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {int(v)};\n" for k, v in template)
     source = (
         PRELUDE + "void kernel(" + ", ".join(sig) + ") {\n" + consts + body + "\n}\n"
         "int main(int argc, char** argv) {\n  FILE* f = fopen(argv[1], \"rb\");\n  " + "\n  ".join(reads) + "\n  fclose(f);\n"
-        f"  for (int w = 0; w < {threads // 32}; ++w) g_warps.push_back(new std::barrier<>(32));\n"
-        f"  g_block = new std::barrier<>({threads});\n"
-        f"  g_threads = {threads}; g_blocks_x = {bx};\n"
-        f"  for (int b = 0; b < {bx * by}; ++b) {{\n"
+        "  const int threads = atoi(argv[3]), blocks = atoi(argv[4]);\n"
+        "  for (int w = 0; w < threads / 32; ++w) g_warps.push_back(new std::barrier<>(32));\n"
+        "  g_block = new std::barrier<>(threads);\n"
+        "  g_threads = threads; g_blocks_x = atoi(argv[5]);\n"
+        "  for (int b = 0; b < blocks; ++b) {\n"
         "    std::vector<std::thread> team;\n"
-        f"    for (int t = 0; t < {threads}; ++t)\n"
+        "    for (int t = 0; t < threads; ++t)\n"
         f"      team.emplace_back([&, b, t]() {{ tl_thread = t; tl_block = b; kernel({', '.join(args)}); }});\n"
         "    for (auto& t : team) t.join();\n  }\n"
         "  FILE* g = fopen(argv[2], \"wb\");\n"
-        + "".join(f"  fwrite(out{j}.data(), 4, out{j}.size(), g);\n" for j in range(len(outputs)))
+        + "".join(f"  fwrite(out{j}.data(), 4, m{j}, g);\n" for j in range(len(outputs)))
         + "  fclose(g);\n}\n"
     )
     binary = _build(source)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        (d / "in.bin").write_bytes(b"".join(np.ascontiguousarray(a).tobytes() for _, a, _ in inputs))
-        subprocess.run([binary, d / "in.bin", d / "out.bin"], check=True)
+        ints = lambda values: struct.pack("8q", *(list(values) + [0] * (8 - len(values))))  # noqa: E731
+        blob = b"".join(ints(v) + ints([a.nbytes]) + np.ascontiguousarray(a).tobytes() for v, a in header)
+        blob += b"".join(ints([int(np.prod(shape))]) for _, shape in outputs)
+        (d / "in.bin").write_bytes(blob)
+        subprocess.run([binary, d / "in.bin", d / "out.bin", str(threads), str(bx * by), str(bx)], check=True)
         raw = np.fromfile(d / "out.bin", np.float32)
     results, at = [], 0
     for _, shape in outputs:
@@ -101,7 +114,7 @@ _BUILT: dict[str, Path] = {}
 
 
 def _build(source: str) -> Path:
-    """The compiled program for source, built once per process (cases of one shape share it)."""
+    """The compiled program for source, built once per process."""
     key = hashlib.sha1(source.encode()).hexdigest()
     if key not in _BUILT:
         d = Path(_BUILDS.name)
@@ -111,3 +124,31 @@ def _build(source: str) -> Path:
             raise RuntimeError("the kernel body does not compile:\n" + build.stderr[:4000])
         _BUILT[key] = d / key
     return _BUILT[key]
+
+
+def load_kernel(backend: str, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], contiguous: bool = True):
+    """`mlx_hybrid.kernels.load_kernel` on the emulator: the returned callable takes MLX's kernel
+    arguments, runs the CUDA body on the CPU (in float32) and returns MLX arrays of the requested
+    dtypes. Inputs that the kernel takes with their strides (contiguous=False) are handed over as
+    row-major copies with those strides."""
+    body = resources.files("mlx_hybrid.metal_kernels").joinpath(name + ".cu").read_text()
+
+    def launch(*, inputs: list, template: list, grid: tuple, threadgroup: tuple, output_shapes: list, output_dtypes: list, **_):
+        arrays = []
+        for arg, a in zip(input_names, inputs):
+            host = np.array(a.astype(mx.float32 if mx.issubdtype(a.dtype, mx.floating) else mx.int32))
+            strides = None if contiguous else [int(np.prod(host.shape[i + 1 :])) for i in range(host.ndim)]
+            arrays.append((arg, host, strides))
+        threads = threadgroup[0]
+        outs = run(
+            body,
+            inputs=arrays,
+            outputs=list(zip(outputs, [tuple(s) for s in output_shapes])),
+            template=[(k, "float" if isinstance(v, mx.Dtype) else v) for k, v in template],
+            blocks=(-(-grid[0] // threads), grid[1]),
+            threads=threads,
+        )
+        return [mx.array(o).astype(dtype) for o, dtype in zip(outs, output_dtypes)]
+
+    input_names = inputs
+    return launch

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+import cuda_emulator
 from factories import make_hf_model_dir, make_hybrid_dir
 from mlx.utils import tree_flatten, tree_map
 
@@ -466,3 +467,49 @@ def test_hybrid_target_greedy_equals_plain_greedy(tmp_path):
             assert got == ref, f"{type(proposer).__name__}, prompt {prompt}"
             if proposer is oracle:
                 assert accepted > 10
+
+
+def emulate_gpu_kernels(monkeypatch):
+    """Send the model code down its GPU path, every kernel run by its CUDA body on the CPU
+    (tests/cuda_emulator.py), drafts uncompiled (the emulator needs real arrays) and packed beams
+    kept at their padded size, as on a GPU."""
+    from mlx_hybrid import scan, tree_attention
+    from mlx_hybrid.models import hybrid
+    from mlx_hybrid.speculative import redrafter, topk, tree
+
+    for module in (scan, tree_attention, accept, tree, topk):
+        monkeypatch.setattr(module, "load_kernel", cuda_emulator.load_kernel)
+    for module in (scan, tree_attention, hybrid, accept, tree, topk):
+        monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")
+    monkeypatch.setattr(redrafter, "trims_padding", lambda: False)
+    mx.disable_compile()
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA bodies cannot be run on the CPU")
+@pytest.mark.parametrize("kind,method", [("llama", "medusa"), ("llama", "redrafter"), ("hybrid", "redrafter")])
+def test_greedy_on_emulated_gpu_kernels_equals_plain_greedy(target, tmp_path, monkeypatch, kind, method):
+    """The GPU path end to end, on any machine: tree attention, the tree `ssm_step`, `beam_topk`,
+    `pack_beams` and `greedy_accept` all run as kernels (emulated), on a Llama and on a hybrid
+    target (attention, Mamba, Mamba2); the tokens must be plain greedy decoding's."""
+    if kind == "llama":
+        model = target[1]
+    else:
+        model = load_model(make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2"], seed=3)[0], "float32")
+    rng = np.random.default_rng(1)
+    references = []
+    while len(references) < 2:
+        prompt = rng.integers(0, model.args.vocab_size, rng.integers(2, 6)).tolist()
+        ref, gap = greedy_reference(model, prompt, 14)
+        if gap > 1e-3:
+            references.append((prompt, ref))
+    if method == "medusa":
+        proposer = MedusaProposer(medusa_like_target(model), MedusaTree(cartesian_paths([2, 2, 1])))
+    else:
+        proposer = ReDrafterProposer(drafter_like_target(model), model, beam_width=3, beam_length=4)
+    emulate_gpu_kernels(monkeypatch)
+    try:
+        for prompt, ref in references:
+            got, steps, _ = run_steps(model, proposer, prompt, 14)
+            assert got == ref, f"{kind} {method}, prompt {prompt}"
+    finally:
+        mx.enable_compile()
