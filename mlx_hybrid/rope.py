@@ -39,12 +39,10 @@ def apply_rope(x: mx.array, freqs: mx.array, offset: int, traditional: bool = Fa
 
 
 def apply_rope_at(x: mx.array, freqs: mx.array, positions: mx.array, traditional: bool = False) -> mx.array:
-    """Rotate x (1, heads, length, head_dim) for one position per token, given as (length,) ints.
+    """Rotate x (tokens, heads, 1, head_dim), one token per batch entry, each at its own position
+    (positions: (tokens,) ints).
 
-    Candidate-tree tokens are not consecutive (siblings share a position), so each token becomes
-    its own batch entry with its own offset: the same fused kernel, hence the same values, as
-    decoding the tokens one by one."""
-    x = x.swapaxes(0, 2)
-    return mx.fast.rope(
-        x, x.shape[-1], traditional=traditional, base=None, scale=1.0, offset=positions, freqs=freqs
-    ).swapaxes(0, 2)
+    Candidate-tree tokens are not consecutive (siblings share a position), so each token is its
+    own batch entry with its own offset: the same fused kernel, hence the same values, as decoding
+    the tokens one by one."""
+    return mx.fast.rope(x, x.shape[-1], traditional=traditional, base=None, scale=1.0, offset=positions, freqs=freqs)

@@ -77,15 +77,18 @@ class Attention(nn.Module):
         """With `tree` (a `mlx_hybrid.speculative.tree.Tree`), x holds candidate-tree nodes: each
         sees the cache and its ancestors, at position cache offset + depth (see `KVCache.accept`)."""
         B, L, _ = x.shape
-        qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
-        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+        qkv = self.qkv_proj(x)
+        heads = [self.n_heads, self.n_heads + self.n_kv_heads]
         if tree is None or tree.depths is None:
+            q, k, v = mx.split(qkv.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3), heads, axis=1)
             q = apply_rope(q, self._freqs, cache.offset)
             k = apply_rope(k, self._freqs, cache.offset)
-        else:
+        else:  # a node per batch entry (B is 1), so that each gets its own position
+            q, k, v = mx.split(qkv.reshape(L, -1, 1, self.head_dim), heads, axis=1)
             positions = tree.once(("positions", cache.offset), lambda: cache.offset + tree.depths)
-            q = apply_rope_at(q, self._freqs, positions)
-            k = apply_rope_at(k, self._freqs, positions)
+            q = apply_rope_at(q, self._freqs, positions).transpose(2, 1, 0, 3)
+            k = apply_rope_at(k, self._freqs, positions).transpose(2, 1, 0, 3)
+            v = v.transpose(2, 1, 0, 3)
         k, v = cache.update_and_fetch(k, v)
         if tree is None:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=cache.make_mask(L))
