@@ -1,0 +1,40 @@
+"""Op budgets of a greedy speculative pass as a GPU builds it (benchmarks/graph_ops.py counts the
+graph's nodes on any machine). A small model's pass on a GPU costs per op, not per token, so the
+pass may add only a few ops to a decode step: these fail when a change adds ops to the
+verification forward, the acceptance or the KV move, which no timing on this CPU would show."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from factories import make_hf_model_dir, make_hybrid_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from graph_ops import measure  # noqa: E402
+from speculative import write_heads  # noqa: E402
+
+from mlx_hybrid.loader import load_model  # noqa: E402
+
+LAYERS = 4
+
+
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_pass_adds_few_ops_to_a_decode_step(tmp_path, kind):
+    if kind == "llama":
+        path = make_hf_model_dir(tmp_path / "m", num_hidden_layers=LAYERS, tokenizer=False)
+        attention = LAYERS
+    else:
+        path, _ = make_hybrid_dir(tmp_path / "m", ["attention", "mamba", "mamba2", "attention"], seed=1)
+        attention = 2
+    model = load_model(path, "float32")
+    write_heads(path, model, seed=0, draft_layers=1)
+    counts = measure(model, path, ["medusa", "redrafter"])
+    step = counts["plain step"][0]
+    for method in ("medusa", "redrafter"):
+        parts = counts[method]
+        # The tree path (tree attention, tree ssm_step) has no more kernels than the decode step,
+        # which also takes its log-probabilities and argmax.
+        assert parts["verification forward"][0] <= step, (method, parts, step)
+        assert parts["acceptance"][0] <= 6, (method, parts)  # argmax, one kernel, the hidden state's gather
+        # Rows that move: one gather and one write per key and value buffer.
+        assert parts["KV rows moved (path not a prefix)"][0] == 2 * 2 * attention, (method, parts)
