@@ -63,7 +63,10 @@ def count(*arrays: mx.array) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def gpu_graphs():
-    """Build graphs as on a CUDA GPU: fused ops and our kernels as one node each (see the top)."""
+    """Build graphs as on a CUDA GPU: fused ops and our kernels as one node each (see the top).
+
+    Use it in a process of its own: MLX keeps what a compiled function traced, so one traced here
+    would keep the stand-ins afterwards."""
     leaves: dict = {}
 
     def leaf(shape, dtype):  # an evaluated array: no node of its own
@@ -164,8 +167,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "graph-ops.json")
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--model", type=Path, help="count this model directory (with its medusa/ and redrafter/), print JSON only")
     args = parser.parse_args(argv)
 
+    if args.model:
+        methods = [m for m in ("medusa", "redrafter") if (args.model / m).is_dir()]
+        print(json.dumps(measure(load_model(args.model), args.model, methods)))
+        return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         target = make_synthetic("smollm2-135m", Path(tmp) / "smollm2-135m", seed=0)
