@@ -160,6 +160,9 @@ def _launch(backend, x, dt, A, B, C, D, state, save, parents=None):
     return y, states
 
 
+_ROOT = mx.array([-1], mx.int32)  # the decode step: one token continuing the cache
+
+
 def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=None, *, mamba2: bool, d_xb: int, offsets, backend: str):
     """A Mamba (mamba2=False) or Mamba2 mixer between its two projections on the fused GPU kernel:
     one decode step, or with `parents` the nodes of a candidate tree.
@@ -174,17 +177,6 @@ def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=No
     the token, or with `parents` after each node: (batch, TN, K-1, conv channels) and
     (batch, TN, n, channels) (metal_kernels/ssm_step.cu).
     """
-    return load_kernel(
-        backend, "ssm_step", STEP_INPUTS, ("g", "window_out", "state_out")
-    )(**ssm_step_launch(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents, mamba2=mamba2, d_xb=d_xb, offsets=offsets))
-
-
-STEP_INPUTS = ("u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state", "parents")
-_ROOT = mx.array([-1], mx.int32)  # the decode step: one token continuing the cache
-
-
-def ssm_step_launch(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=None, *, mamba2: bool, d_xb: int, offsets) -> dict:
-    """The arguments of the `ssm_step` kernel call (also what tests/cuda_emulator.py runs)."""
     b, n, d = state.shape
     TN, K = u.shape[1], conv_w.shape[1]
     if K < 2 or (parents is None and TN != 1) or (parents is not None and parents.shape != (TN,)):
@@ -192,7 +184,10 @@ def ssm_step_launch(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, par
     ox, oz, ob, oc = offsets
     dtype = u.dtype
     tree = parents is not None
-    return dict(
+    return load_kernel(
+        backend, "ssm_step", ("u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state", "parents"),
+        ("g", "window_out", "state_out"),
+    )(
         inputs=[u, dt, window, conv_w.astype(dtype), conv_b.astype(dtype), dt_bias.astype(mx.float32),
                 A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32), parents if tree else _ROOT],
         template=[("T", dtype), ("N", n), ("R", d // d_xb), ("K", K), ("MAMBA2", mamba2), ("DI", d), ("DXB", d_xb),

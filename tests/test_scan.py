@@ -6,7 +6,6 @@ machine without the kernel skips them instead of silently comparing the referenc
 """
 
 import itertools
-from importlib import resources
 
 import mlx.core as mx
 import mlx.utils as nn_utils
@@ -324,29 +323,13 @@ def test_tree_step_kernel_matches_unfused_path(backend, dtype, monkeypatch):
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
 def test_tree_step_cuda_body_on_the_cpu_matches_unfused_path(monkeypatch):
     """The GPU test above on every machine: the model code calls `ssm_step`, whose CUDA body runs
-    on the CPU (tests/cuda_emulator.py) with the arguments `ssm_step_launch` gives the kernel."""
+    on the CPU (tests/cuda_emulator.py)."""
     from mlx_hybrid import scan
     from mlx_hybrid.models import hybrid
 
-    body = resources.files("mlx_hybrid.metal_kernels").joinpath("ssm_step.cu").read_text()
-
-    def run_body(*args, backend, **kwargs):
-        launch = scan.ssm_step_launch(*args, **kwargs)
-        threads = launch["threadgroup"][0]
-        d, b, _ = launch["grid"]
-        outs = cuda_emulator.run(
-            body,
-            inputs=[(name, np.array(a), None) for name, a in zip(scan.STEP_INPUTS, launch["inputs"])],
-            outputs=list(zip(("g", "window_out", "state_out"), launch["output_shapes"])),
-            template=[(k, "float" if k == "T" else int(v)) for k, v in launch["template"]],
-            blocks=(-(-d // threads), b),
-            threads=threads,
-        )
-        return [mx.array(o) for o in outs]
-
     def emulated():
         monkeypatch.setattr(hybrid, "kernel_backend", lambda: "cuda")
-        monkeypatch.setattr(hybrid, "ssm_step", run_body)
+        monkeypatch.setattr(scan, "load_kernel", cuda_emulator.load_kernel)
 
     shapes = [("mamba", 16, 4, 2), ("mamba2", 16, 4, 2), ("mamba2", 64, 1, 1)]
     check_tree_step_parity(mx.float32, emulated, monkeypatch, shapes)

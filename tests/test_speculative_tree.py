@@ -144,28 +144,21 @@ def packed_arrays(p) -> list[np.ndarray]:
     return [np.array(a) for a in (p.tokens, p.tree.parents, p.tree.depths, p.tree.mask, p.node_of, p.count)]
 
 
+def emulate(monkeypatch, module):
+    """`module` runs its kernels' CUDA bodies on the CPU (tests/cuda_emulator.py), as on a GPU."""
+    monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")
+    monkeypatch.setattr(module, "load_kernel", cuda_emulator.load_kernel)
+
+
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
-def test_pack_beams_cuda_body_on_the_cpu_matches_reference():
-    from importlib import resources
+def test_pack_beams_cuda_body_on_the_cpu_matches_reference(monkeypatch):
+    from mlx_hybrid.speculative import tree
 
-    from mlx_hybrid.speculative.tree import pack_beams_ref
-
-    body = resources.files("mlx_hybrid.metal_kernels").joinpath("pack_beams.cu").read_text()
+    emulate(monkeypatch, tree)
     for beams in beam_cases(8):
-        width, length = beams.shape
-        want = packed_arrays(pack_beams_ref(beams))
-        size = width * (length - 1) + 1
-        got = cuda_emulator.run(
-            body,
-            inputs=[("beams", beams.astype(np.int32), None)],
-            outputs=[("tokens", (size,)), ("parents", (size,)), ("depths", (size,)), ("mask", (size, size)),
-                     ("node_of", (width, length)), ("count", (1,))],
-            template=[("BW", width), ("BL", length), ("TN", size)],
-            blocks=1,
-            threads=width * length,
-        )
+        got, want = packed_arrays(tree.pack_beams(beams)), packed_arrays(tree.pack_beams_ref(beams))
         for name, g, w in zip(("tokens", "parents", "depths", "mask", "node_of", "count"), got, want):
-            assert g.reshape(w.shape).astype(w.dtype).tolist() == w.tolist(), f"{name} for beams {beams.tolist()}"
+            assert g.tolist() == w.tolist(), f"{name} for beams {beams.tolist()}"
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -199,25 +192,16 @@ def check_beam_step(got, want, case):
 
 
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
-def test_beam_topk_cuda_body_on_the_cpu_matches_reference():
+def test_beam_topk_cuda_body_on_the_cpu_matches_reference(monkeypatch):
     """The beam-step kernel's CUDA body (tests/cuda_emulator.py) against `beam_step_ref`: the
     log-normalizer merged across threads, each thread's sorted candidates, the pairwise merge."""
-    from importlib import resources
+    from mlx_hybrid.speculative import topk
 
-    from mlx_hybrid.speculative.topk import beam_step_ref
-
-    body = resources.files("mlx_hybrid.metal_kernels").joinpath("beam_topk.cu").read_text()
+    emulate(monkeypatch, topk)
     for i, (batch, beams, vocab, k) in enumerate(BEAM_STEPS):
         logits, scores = beam_step_case(batch, beams, vocab, seed=i)
-        got = cuda_emulator.run(
-            body,
-            inputs=[("logits", np.array(logits), None), ("scores", np.array(scores), None)],
-            outputs=[("origin", (batch, k)), ("token", (batch, k)), ("score", (batch, k))],
-            template=[("T", "float"), ("K", k), ("TG", 128)],
-            blocks=batch,
-            threads=128,
-        )
-        check_beam_step(got, beam_step_ref(logits, scores, k), f"batch {batch}, {beams} beams, vocabulary {vocab}, k {k}")
+        check_beam_step(topk.beam_step(logits, scores, k), topk.beam_step_ref(logits, scores, k),
+                        f"batch {batch}, {beams} beams, vocabulary {vocab}, k {k}")
     # Ties go to the lower beam x vocabulary index: integer logits (equal scores within a beam, kept
     # apart in the merge), and ten equal best tokens all in thread 0's stride (kept apart in one
     # thread's list).
@@ -226,18 +210,11 @@ def test_beam_topk_cuda_body_on_the_cpu_matches_reference():
     one_thread[0, 0, ::128] = 2.0
     for logits, scores in [(rng.integers(0, 3, (1, 3, 2000)).astype(np.float32), np.array([[-0.3, -1.7, -2.2]], np.float32)),
                            (one_thread, np.zeros((1, 1), np.float32))]:
-        got = cuda_emulator.run(
-            body,
-            inputs=[("logits", logits, None), ("scores", scores, None)],
-            outputs=[("origin", (1, 8)), ("token", (1, 8)), ("score", (1, 8))],
-            template=[("T", "float"), ("K", 8), ("TG", 128)],
-            blocks=1,
-            threads=128,
-        )
+        origin, token, _ = topk.beam_step(mx.array(logits), mx.array(scores), 8)
         V = logits.shape[2]
         total = (scores[..., None] + logits - np.log(np.exp(logits).sum(-1, keepdims=True))).reshape(-1)
         best = np.argsort(-total, kind="stable")[:8]
-        assert got[0][0].tolist() == (best // V).tolist() and got[1][0].tolist() == (best % V).tolist()
+        assert origin[0].tolist() == (best // V).tolist() and token[0].tolist() == (best % V).tolist()
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -356,15 +333,14 @@ def test_greedy_rows_equals_host_greedy():
 
 
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
-def test_greedy_accept_cuda_body_on_the_cpu_matches_reference():
+def test_greedy_accept_cuda_body_on_the_cpu_matches_reference(monkeypatch):
     """The acceptance kernel's CUDA body (tests/cuda_emulator.py) against `greedy_rows_ref`: also
     a tree with more rows than the block has threads, where nothing or one row is accepted (ties:
     the first row wins), and a sparse tree whose rows are padded."""
-    from importlib import resources
+    from mlx_hybrid.speculative import accept
+    from mlx_hybrid.speculative.accept import Draft, greedy_rows_kernel, greedy_rows_ref
 
-    from mlx_hybrid.speculative.accept import Draft, greedy_rows_ref
-
-    body = resources.files("mlx_hybrid.metal_kernels").joinpath("greedy_accept.cu").read_text()
+    emulate(monkeypatch, accept)
     rng = np.random.default_rng(5)
     extra = []
     for tree, top_k, V, boost in [(MedusaTree(cartesian_paths([40, 2])), 40, 50, 45), (MedusaTree(cartesian_paths([40, 2])), 40, 50, 0),
@@ -376,16 +352,8 @@ def test_greedy_accept_cuda_body_on_the_cpu_matches_reference():
             extra.append((Draft(tree.tokens(mx.array([1]), top), tree.tree, mx.array(tree.retrieve)), logits))
     for draft, logits in [c[:2] for c in greedy_cases(12, seed=6)] + extra:
         want_info, want_last = greedy_rows_ref(draft.tokens, draft.rows, logits)
-        info, last = cuda_emulator.run(
-            body,
-            inputs=[("tokens", np.array(draft.tokens, np.int32), None), ("rows", np.array(draft.rows, np.int32), None),
-                    ("best", np.array(mx.argmax(logits, axis=-1), np.int32), None)],
-            outputs=[("info", want_info.shape), ("last", (1,))],
-            template=[("TB", "unsigned int")],
-            blocks=1,
-            threads=32,
-        )
-        assert info.astype(np.int32).tolist() == want_info.tolist() and int(last[0]) == want_last.item()
+        info, last = greedy_rows_kernel(draft.tokens, draft.rows, mx.argmax(logits, axis=-1), backend="cuda")
+        assert info.tolist() == want_info.tolist() and last.item() == want_last.item()
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
