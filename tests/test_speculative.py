@@ -137,18 +137,22 @@ class OracleProposer:
 N_TOKENS = 36
 
 
-@pytest.fixture(scope="module")
-def references(target):
-    """Eight prompts of a seeded random pool whose greedy continuation has no near-tie, with it."""
-    _, model, _ = target
-    rng = np.random.default_rng(0)
+def tie_free_references(model, count: int, n: int = N_TOKENS, seed: int = 0) -> list:
+    """count prompts of a seeded random pool whose n-token greedy continuation has no near-tie,
+    each with that continuation."""
+    rng = np.random.default_rng(seed)
     out = []
-    while len(out) < 8:
+    while len(out) < count:
         prompt = rng.integers(0, model.args.vocab_size, rng.integers(1, 7)).tolist()
-        ref, gap = greedy_reference(model, prompt, N_TOKENS)
+        ref, gap = greedy_reference(model, prompt, n)
         if gap > 1e-3:
             out.append((prompt, ref))
     return out
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return tie_free_references(target[1], 8)
 
 
 def test_greedy_oracle_tree_equals_plain_greedy(target, references):
@@ -447,13 +451,7 @@ def test_hybrid_target_greedy_equals_plain_greedy(tmp_path):
     recurrent layers scan the tree from each node's parent and keep the accepted path's state."""
     path, _ = make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2", "dsla"], seed=2)
     model = load_model(path, "float32")
-    rng = np.random.default_rng(0)
-    references = []
-    while len(references) < 4:
-        prompt = rng.integers(0, model.args.vocab_size, rng.integers(1, 7)).tolist()
-        ref, gap = greedy_reference(model, prompt, N_TOKENS)
-        if gap > 1e-3:
-            references.append((prompt, ref))
+    references = tie_free_references(model, 4)
     proposers = [
         MedusaProposer(medusa_like_target(model)),
         ReDrafterProposer(drafter_like_target(model), model, beam_width=3, beam_length=4),
@@ -495,13 +493,7 @@ def test_greedy_on_emulated_gpu_kernels_equals_plain_greedy(target, tmp_path, mo
         model = target[1]
     else:
         model = load_model(make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2"], seed=3)[0], "float32")
-    rng = np.random.default_rng(1)
-    references = []
-    while len(references) < 2:
-        prompt = rng.integers(0, model.args.vocab_size, rng.integers(2, 6)).tolist()
-        ref, gap = greedy_reference(model, prompt, 14)
-        if gap > 1e-3:
-            references.append((prompt, ref))
+    references = tie_free_references(model, 2, n=14, seed=1)
     if method == "medusa":
         proposer = MedusaProposer(medusa_like_target(model), MedusaTree(cartesian_paths([2, 2, 1])))
     else:
