@@ -6,8 +6,8 @@ On a GPU a small model's pass costs per operation, not per token: every MLX op c
 host time on the H100 whatever its size (benchmarks/README.md), so a pass can be no faster than
 its op count allows, and speculation pays only when a pass has few more ops than a decode step.
 This builds the graphs of a plain decode step (forward, log-probabilities, argmax) and of each
-part of a greedy pass (the draft, the verification forward, the acceptance, and the KV rows moved
-when the accepted path is not a prefix of the nodes) without running them, and counts their nodes
+part of a greedy pass (the draft, the verification forward, the acceptance, and the cache moves to
+the accepted path, which the device makes before the host reads it) without running them, and counts their nodes
 (`mx.export_to_dot`).
 
 A CPU stream spells MLX's fused ops (rms_norm, rope, attention, dequantize) out as their fallback graphs, and
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import make_synthetic, update_readme  # noqa: E402
 from speculative import write_heads  # noqa: E402
 
-from mlx_hybrid.cache import accept_path  # noqa: E402
+from mlx_hybrid.cache import accept_on_device  # noqa: E402
 from mlx_hybrid.default_model import default_model_path  # noqa: E402
 from mlx_hybrid.generate import prefill  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
@@ -132,12 +132,13 @@ def measure(model, heads_dir: Path, methods: list[str]) -> dict:
             proposer = load_proposer(method, model, heads_dir)
             draft = proposer.draft(mx.array([3], mx.int32), hidden[0, -1])
             parts = {"draft": tally(*draft.arrays())}
-            logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree)
+            pos = mx.array([cache[0].offset], mx.int32)
+            logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree.at(pos, cache[0].offset))
             parts["verification forward"] = tally(logits, hiddens, *[a for c in cache for a in c.state])
             info, last = accept.greedy_rows(draft, logits[0])
-            parts["acceptance"] = tally(info, last, hiddens[0, last])
-            accept_path(cache, [0, 2])  # node 1 rejected: the KV rows of node 2 move
-            parts["KV rows moved (path not a prefix)"] = tally(*[a for c in cache for a in c.state])
+            parts["acceptance"] = tally(info, last, hiddens[0, last], pos + info[:1] + 1)
+            accept_on_device(cache, mx.maximum(info[2 : 2 + draft.rows.shape[1]], 0), last)
+            parts["cache moves"] = tally(*[a for c in cache for a in c.state])
             out[method] = dict(parts, nodes=len(draft.tokens))
     return out
 
@@ -147,18 +148,17 @@ def table(name: str, counts: dict) -> str:
     lines = [
         f"**{name}**: plain decode step {step_k} kernels + {step_v} views.",
         "",
-        "| method | nodes | draft | verification forward | acceptance | KV move (non-prefix) | pass (prefix accepted) | pass / step | pass / step, non-prefix |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| method | nodes | draft | verification forward | acceptance | cache moves | pass | pass / step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for method, parts in counts.items():
         if method == "plain step":
             continue
-        cells = [parts[p] for p in ("draft", "verification forward", "acceptance", "KV rows moved (path not a prefix)")]
-        pk, pv = (sum(c[i] for c in cells[:3]) for i in (0, 1))
-        mk, mv = cells[3]
+        cells = [parts[p] for p in ("draft", "verification forward", "acceptance", "cache moves")]
+        pk, pv = (sum(c[i] for c in cells) for i in (0, 1))
         lines.append(
             f"| {method} | {parts['nodes']} | " + " | ".join(f"{k} + {v}" for k, v in cells)
-            + f" | {pk} + {pv} | {pk / step_k:.2f}x ({(pk + pv) / (step_k + step_v):.2f}x) | {(pk + mk) / step_k:.2f}x ({(pk + pv + mk + mv) / (step_k + step_v):.2f}x) |"
+            + f" | {pk} + {pv} | {pk / step_k:.2f}x ({(pk + pv) / (step_k + step_v):.2f}x) |"
         )
     return "\n".join(lines)
 

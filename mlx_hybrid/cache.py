@@ -10,6 +10,8 @@ returns to it. To verify speculative candidates, a recurrent layer runs them all
 `pending` function that gives the state after any candidate; `accept` then keeps the state at
 the end of the accepted path, so accepted tokens are never run again. A KV cache keeps the
 candidates' rows after such a pass and `accept` moves the accepted path's rows together.
+`accept_on_device` does the same for a path the host has not read yet, so that greedy passes can
+be queued one ahead of the host; `advance` then moves the offsets once it has.
 """
 
 import functools
@@ -39,18 +41,38 @@ class KVCache:
         if self.window is not None:
             self._drop_unreachable()
         size = self.size
-        if self.keys is None or size + n > self.keys.shape[2]:
-            capacity = (size + n + STEP - 1) // STEP * STEP
-            shape = (*keys.shape[:2], capacity, keys.shape[3])
-            new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
-            if size:
-                new_k[..., :size, :] = self.keys[..., :size, :]
-                new_v[..., :size, :] = self.values[..., :size, :]
-            self.keys, self.values = new_k, new_v
+        self._reserve(size + n, keys, values)
         self.keys[..., size : size + n, :] = keys
         self.values[..., size : size + n, :] = values
         self.offset += n
         return self.keys[..., : size + n, :], self.values[..., : size + n, :]
+
+    def _reserve(self, rows: int, keys: mx.array, values: mx.array):
+        """Room for `rows` buffer rows. The whole old buffer is copied: while greedy passes run
+        ahead of the host (`write_tree`), rows past `offset` may hold accepted tokens already."""
+        if self.keys is not None and rows <= self.keys.shape[2]:
+            return
+        capacity = (rows + STEP - 1) // STEP * STEP
+        shape = (*keys.shape[:2], capacity, keys.shape[3])
+        new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
+        if self.keys is not None:
+            new_k[..., : self.keys.shape[2], :] = self.keys
+            new_v[..., : self.values.shape[2], :] = self.values
+        self.keys, self.values = new_k, new_v
+
+    def write_tree(self, keys: mx.array, values: mx.array, pos: mx.array, bound: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Write a candidate tree's n keys/values at absolute position pos, a (1,) int32 device
+        array that may not be known on the host yet (bound: the most it can be). Returns the whole
+        buffers and the buffer row of node 0; `offset` moves only on `accept` / `advance`."""
+        n = keys.shape[2]
+        if self.window is not None:
+            self._drop_unreachable()
+        self._reserve(bound - self.start + n, keys, values)
+        row = pos if self.start == 0 else pos - self.start
+        self.keys = mx.slice_update(self.keys, keys, row, (2,))
+        self.values = mx.slice_update(self.values, values, row, (2,))
+        self.pending = (row, n)
+        return self.keys, self.values, row
 
     def _drop_unreachable(self):
         # Queries from now on sit at positions >= offset and see keys > offset - window.
@@ -69,31 +91,27 @@ class KVCache:
         k_pos = mx.arange(self.start, self.offset)[None]
         return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
 
-    def make_tree_mask(self, tree) -> mx.array:
-        """Mask for the nodes of a candidate tree just appended (`tree.mask`: ancestor mask, None
-        for a chain) against everything held: every node sees the cache before the tree (within the
-        window), then itself and its ancestors. Built once per pass (`Tree.once`)."""
-        return tree.once(("mask", self.size, self.offset, self.window), lambda: self._tree_mask(tree))
+    def tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
+        """Mask (n, buffer rows) for the tree just written at buffer row `row` (`write_tree`):
+        every node sees the rows before the tree (within the window), then itself and its
+        ancestors, nothing past them. Built once per pass (`Tree.once`)."""
+        key = ("mask", tree.host_offset(self.offset), self.start, self.keys.shape[2])
+        return tree.once(key, lambda: self._tree_mask(tree, row, depths))
 
-    def _tree_mask(self, tree) -> mx.array:
+    def _tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
         n = len(tree)
-        size = self.size
-        if tree.mask is None and self.window is None:
-            return "causal"
-        own = mx.tril(mx.ones((n, n), mx.bool_)) if tree.mask is None else tree.mask
-        mask = mx.concatenate([mx.ones((n, size - n), mx.bool_), own], axis=1)
+        rel = mx.arange(self.keys.shape[2]) - row  # buffer row relative to node 0
+        before = rel < 0
         if self.window is not None:
-            depth = mx.arange(n) if tree.depths is None else tree.depths
-            q_pos = (self.offset - n + depth)[:, None]
-            k_pos = mx.concatenate([mx.arange(self.start, self.offset - n), self.offset - n + depth])[None]
-            mask = mask & (q_pos - k_pos < self.window)
-        return mask
+            before = before & (depths[:, None] - rel[None] < self.window)
+        own = tree.visible()[:, mx.clip(rel, 0, n - 1)] & ((rel >= 0) & (rel < n))[None]
+        return before | own
 
     def accept(self, path: list[int]):
-        """Of the rows the last verification pass appended, keep those of the accepted path (node
-        indices, root first) in path order, and drop the rest."""
-        n, self.pending = self.pending, None
-        base = self.offset - n - self.start  # buffer row of node 0
+        """Of the rows the last verification pass wrote (`write_tree`), keep those of the accepted
+        path (node indices, root first) in path order, and drop the rest."""
+        self.pending = None
+        base = self.offset - self.start  # buffer row of node 0
         # Rows already in place (a prefix of the nodes) stay; the rest move with one gather and
         # one write per array. Fancy indexing would spell this as ~14 ops per array, and on a GPU
         # each op costs host time whatever its size.
@@ -104,7 +122,28 @@ class KVCache:
                 buffer = getattr(self, name)
                 index = _row_index(rows, (*buffer.shape[:2], len(rows), buffer.shape[3]))
                 buffer[..., base + keep : end, :] = mx.take_along_axis(buffer, index, axis=2)
-        self.offset = self.start + base + len(path)
+        self.offset += len(path)
+
+    def accept_on_device(self, nodes: mx.array, last: mx.array, memo: dict):
+        """`accept` for a path the host has not read: nodes (W,) int32, the accepted path's nodes
+        first, then any valid nodes (the rows past the path are left for the next tree to
+        overwrite). All W rows move, with one gather and one write per array; the gather index is
+        shared through memo by the layers that wrote at the same row. `advance` moves `offset`
+        once the host knows the path's length."""
+        row, _ = self.pending
+        self.pending = None
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            shape = (*buffer.shape[:2], nodes.shape[0], buffer.shape[3])
+            key = (id(row), shape)
+            if key not in memo:
+                memo[key] = (row, mx.broadcast_to((row + nodes)[None, None, :, None], shape))
+            moved = mx.take_along_axis(buffer, memo[key][1], axis=2)
+            setattr(self, name, mx.slice_update(buffer, moved, row, (2,)))
+
+    def advance(self, n: int):
+        """The host learned that the last `accept_on_device` kept n tokens."""
+        self.offset += n
 
     def trimmable(self) -> int:
         """How many of the newest tokens `trim` can remove and still serve later queries."""
@@ -159,6 +198,15 @@ class StateCache:
             self.offset += len(path)
         self.pending = None
 
+    def accept_on_device(self, nodes: mx.array, last: mx.array, memo: dict):
+        """`accept` for a path the host has not read: the state after node `last` (a device
+        scalar); `advance` moves `offset` once the host knows the path's length."""
+        self.arrays = self.pending(last)
+        self.pending = None
+
+    def advance(self, n: int):
+        self.offset += n
+
     def trimmable(self) -> int:
         return 0
 
@@ -185,6 +233,13 @@ def accept_path(cache: list, path: list[int]):
     `StateCache.accept`)."""
     for c in cache:
         c.accept(path)
+
+
+def accept_on_device(cache: list, nodes: mx.array, last: mx.array):
+    """Every layer keeps a path the host has not read yet (`KVCache.accept_on_device`)."""
+    memo: dict = {}
+    for c in cache:
+        c.accept_on_device(nodes, last, memo)
 
 
 def trim_cache(cache: list, n: int) -> int:

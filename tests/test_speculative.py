@@ -25,7 +25,7 @@ from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams, generate_step, stream_generate
 from mlx_hybrid.loader import load, load_model
 from mlx_hybrid.speculative import accept
-from mlx_hybrid.speculative.accept import Candidates
+from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.draft import DraftProposer
 from mlx_hybrid.speculative.generate import load_proposer, speculative_generate, speculative_steps
 from mlx_hybrid.speculative.medusa import MedusaConfig, MedusaHeads, MedusaProposer, calibrate, load_medusa
@@ -465,6 +465,55 @@ def test_hybrid_target_greedy_equals_plain_greedy(tmp_path):
             assert got == ref, f"{type(proposer).__name__}, prompt {prompt}"
             if proposer is oracle:
                 assert accepted > 10
+
+
+class OracleDrafts:
+    """`OracleProposer` for the greedy loop (`draft`): the true tokens fill a random path down to a
+    random depth, every other node a token that cannot be accepted. The target then accepts exactly
+    the true path, so the oracle knows where each pass leaves it without reading the device."""
+
+    def __init__(self, reference: list[int], vocab: int, seed: int):
+        self.ref, self.vocab, self.done = reference, vocab, 0  # ref[done]: the next pass's root
+        self.rng = np.random.default_rng(seed)
+        self.tree = MedusaTree(cartesian_paths([3, 2, 2]))
+        self.rows = mx.array(self.tree.retrieve)
+
+    def draft(self, root: mx.array, hidden: mx.array) -> Draft:
+        ahead = self.ref[self.done :] + [None] * 4
+        depth = int(min(self.rng.integers(0, 4), max(0, len(self.ref) - 1 - self.done)))
+        ranks = [self.rng.integers(0, k) for k in self.tree.topk]
+        tokens = self.rng.integers(0, self.vocab, len(self.tree))
+        tokens[0] = ahead[0]
+        for node, path in enumerate(self.tree.paths, start=1):
+            true = ahead[len(path)]
+            if len(path) <= depth and path == ranks[: len(path)]:
+                tokens[node] = true
+            elif tokens[node] == true:
+                tokens[node] = (true + 1) % self.vocab
+        self.done += depth + 1
+        return Draft(mx.array(tokens, mx.int32), self.tree.tree, self.rows)
+
+
+def test_greedy_passes_leave_the_caches_at_the_last_pass_yielded(tmp_path):
+    """Greedy passes run a pass ahead of the host: when the consumer stops, the caches hold what
+    the yielded tokens need (KV offsets and rows, recurrent states), and plain decoding goes on
+    exactly."""
+    path, _ = make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2", "dsla"], seed=2)
+    model = load_model(path, "float32")
+    for i, (prompt, ref) in enumerate(tie_free_references(model, 2)):
+        cache = model.make_cache()
+        steps = speculative_steps(model, OracleDrafts(ref, model.args.vocab_size, seed=i), prompt, cache, GREEDY)
+        tokens, passes = [], 0
+        for new, _ in steps:
+            tokens, passes = tokens + new, passes + 1
+            if len(tokens) >= 20:
+                break
+        steps.close()
+        assert passes < len(tokens) - 5  # deep paths were accepted
+        assert [c.offset for c in cache] == [len(prompt) + len(tokens) - 1] * len(cache)
+        while len(tokens) < N_TOKENS:
+            tokens.append(int(mx.argmax(model(mx.array([tokens[-1:]]), cache)[0, -1]).item()))
+        assert tokens == ref, f"prompt {prompt}"
 
 
 def emulate_gpu_kernels(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import cuda_emulator
 from factories import GPU_BACKENDS, make_hf_model_dir
 
-from mlx_hybrid.cache import KVCache, accept_path
+from mlx_hybrid.cache import KVCache, accept_on_device, accept_path
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.speculative.tree import (
     MedusaTree,
@@ -231,22 +231,56 @@ def test_beam_topk_kernel_matches_reference(backend, dtype, monkeypatch):
             check_beam_step(got, want, f"{dtype}, batch {batch}, {beams} beams, vocabulary {vocab}, k {k}")
 
 
+def kv_rows(a, b):
+    return mx.broadcast_to(mx.arange(a, b, dtype=mx.float32)[None, None, :, None], (1, 2, b - a, 4))
+
+
 def test_kv_cache_accept_compacts():
     cache = KVCache()
-    rows = lambda a, b: mx.broadcast_to(mx.arange(a, b, dtype=mx.float32)[None, None, :, None], (1, 2, b - a, 4))
-    cache.update_and_fetch(rows(0, 5), rows(100, 105))  # a 5-token prefix
-    cache.update_and_fetch(rows(5, 11), rows(105, 111))  # 6 candidate nodes
-    cache.pending = 6
+    cache.update_and_fetch(kv_rows(0, 5), kv_rows(100, 105))  # a 5-token prefix
+    cache.write_tree(kv_rows(5, 11), kv_rows(105, 111), mx.array([5], mx.int32), 5)  # 6 candidate nodes
+    assert cache.offset == 5
     cache.accept([0, 2, 5])
     assert cache.offset == 8 and cache.pending is None
-    k, v = cache.update_and_fetch(rows(50, 51), rows(150, 151))
+    k, v = cache.update_and_fetch(kv_rows(50, 51), kv_rows(150, 151))
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50]
     assert v[0, 1, :, 3].tolist() == [100, 101, 102, 103, 104, 105, 107, 110, 150]
     # A path that is a prefix of the rows is a plain trim.
-    cache.update_and_fetch(rows(60, 63), rows(160, 163))
-    cache.pending = 3
+    cache.write_tree(kv_rows(60, 63), kv_rows(160, 163), mx.array([9], mx.int32), 9)
     cache.accept([0, 1])
     assert cache.offset == 11 and cache.keys[0, 0, :11, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50, 60, 61]
+
+
+def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
+    """Two trees queued before the host reads either path: the second is written where the first
+    path ended (a device position), and its rows survive the buffer growing past the host's offset."""
+    cache = KVCache()
+    cache.update_and_fetch(kv_rows(0, 250), kv_rows(1000, 1250))
+    pos = mx.array([250], mx.int32)
+    cache.write_tree(kv_rows(300, 306), kv_rows(1300, 1306), pos, 250)
+    accept_on_device([cache], mx.array([0, 2, 5, 0], mx.int32), mx.array(5))  # path 0, 2, 5 (n = 2)
+    pos = pos + 3
+    cache.write_tree(kv_rows(400, 410), kv_rows(1400, 1410), pos, 250 + 4)  # grows the buffer past 256
+    accept_on_device([cache], mx.array([0, 1, 4, 0], mx.int32), mx.array(4))  # path 0, 1, 4
+    for n in (3, 3):
+        cache.advance(n)
+    assert cache.offset == 256 and cache.keys.shape[2] == 512
+    assert cache.keys[0, 1, 248:256, 0].tolist() == [248, 249, 300, 302, 305, 400, 401, 404]
+    assert cache.values[0, 0, 248:256, 2].tolist() == [1248, 1249, 1300, 1302, 1305, 1400, 1401, 1404]
+
+
+def test_tree_mask_sees_the_prefix_and_the_ancestors():
+    """The mask over the whole buffer for a tree written at a device position, with a window."""
+    cache = KVCache(window=4)
+    cache.update_and_fetch(kv_rows(0, 5), kv_rows(0, 5))
+    tree = Tree.from_parents([-1, 0, 0, 2]).at(mx.array([5], mx.int32), 5)
+    _, _, row = cache.write_tree(kv_rows(5, 9), kv_rows(5, 9), tree.pos, tree.bound)
+    mask = np.array(cache.tree_mask(tree, row, tree.node_depths()))
+    want = np.zeros((4, cache.keys.shape[2]), bool)
+    for t, depth in enumerate([0, 1, 1, 2]):
+        want[t, max(0, 5 + depth - 3) : 5] = True  # rows within the window before the tree
+    want[:, 5:9] = ancestor_mask([-1, 0, 0, 2])
+    np.testing.assert_array_equal(mask, want)
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])

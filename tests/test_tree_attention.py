@@ -64,8 +64,9 @@ def test_reference_matches_numpy():
         for i, (H, KV, D, prefix) in enumerate(SHAPES):
             q_buffer, k, v = make_case(parents, H, KV, D, prefix, seed=i)
             q = q_buffer.transpose(1, 0, 2)[None]
-            visible = mx.array(ancestor_mask(parents))
-            got = tree_attention_ref(mx.array(q), mx.array(k), mx.array(v), visible, prefix, D**-0.5)
+            with mx.stream(mx.cpu):  # exact float32: MLX's CUDA backend multiplies float32 in TF32
+                visible = mx.array(ancestor_mask(parents))
+                got = tree_attention_ref(mx.array(q), mx.array(k), mx.array(v), visible, prefix, D**-0.5)
             want = numpy_attention(q, k, v, parents, prefix, D**-0.5)
             np.testing.assert_allclose(np.array(got), want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
 
@@ -118,6 +119,8 @@ def check_parity(backend, dtype):
                 n = prefix + len(parents)
                 got = tree_attention(q, keys[..., :n, :], values[..., :n, :], mx.array(parents, mx.int32),
                                      mx.array([prefix], mx.int32), mx.array([D**-0.5], mx.float32), backend=backend)
+            with mx.stream(mx.cpu):  # exact float32: MLX's CUDA backend multiplies float32 in TF32
+                q, keys, values = (mx.array(np.array(a)) for a in (q, keys, values))
                 want = tree_attention_ref(q, keys, values, mx.array(ancestor_mask(parents)), prefix, D**-0.5)
             got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
             np.testing.assert_allclose(got, want, atol=PARITY_TOL[dtype], err_msg=f"{dtype} {name} {H}/{KV} heads, D={D}, prefix {prefix}")

@@ -206,7 +206,8 @@ def _advance(cache: StateCache, window: mx.array, state: mx.array, tree):
     if tree is None:
         cache.update([window, state], 1)
     else:
-        cache.pending = lambda node: [window[:, node], state[:, node]]
+        # One gather per array, also for a device scalar node (indexing spells that as ~4 ops).
+        cache.pending = lambda node: [mx.take(window, node, axis=1), mx.take(state, node, axis=1)]
 
 
 class Mamba(nn.Module):
@@ -339,12 +340,12 @@ def gated_linear_attention(q, k, v, g, state, chunk: int = 64):
 def gated_linear_attention_tree(q, k, v, g, state, visible: mx.array):
     """`gated_linear_attention` over the nodes of a candidate tree (visible = `ancestor_mask`):
     each node continues its parent's state. Returns the outputs and a function giving the state
-    after any node."""
+    after any node (an int, or a device scalar while the host has not read the path)."""
     q, k, v, g = (t.astype(mx.float32) for t in (q, k, v, g))
     b = visible.astype(mx.float32) @ g  # log gates summed along each node's path
 
     def state_after(node: int) -> mx.array:
-        decay = mx.exp(mx.where(visible[node][:, None], b[:, :, node : node + 1] - b, -mx.inf))
+        decay = mx.exp(mx.where(visible[node][:, None], mx.expand_dims(b[:, :, node], 2) - b, -mx.inf))
         return mx.exp(b[:, :, node, :, None]) * state + (k * decay).swapaxes(2, 3) @ v
 
     return _gla_block(q, k, v, b, visible, state), state_after

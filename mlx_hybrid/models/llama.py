@@ -75,33 +75,32 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache, tree=None) -> mx.array:
         """With `tree` (a `mlx_hybrid.speculative.tree.Tree`), x holds candidate-tree nodes: each
-        sees the cache and its ancestors, at position cache offset + depth (see `KVCache.accept`)."""
+        sees the cache and its ancestors, at position (cache offset or `tree.pos`) + depth, and
+        its keys/values wait in the cache for `accept` (see `KVCache.write_tree`)."""
         B, L, _ = x.shape
         qkv = self.qkv_proj(x)
         heads = [self.n_heads, self.n_heads + self.n_kv_heads]
-        if tree is None or tree.depths is None:
+        if tree is None:
             q, k, v = mx.split(qkv.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3), heads, axis=1)
             q = apply_rope(q, self._freqs, cache.offset)
             k = apply_rope(k, self._freqs, cache.offset)
-        else:  # a node per batch entry (B is 1), so that each gets its own position
-            q, k, v = mx.split(qkv.reshape(L, -1, 1, self.head_dim), heads, axis=1)
-            positions = tree.once(("positions", cache.offset), lambda: cache.offset + tree.depths)
-            q = apply_rope_at(q, self._freqs, positions).transpose(2, 1, 0, 3)
-            k = apply_rope_at(k, self._freqs, positions).transpose(2, 1, 0, 3)
-            v = v.transpose(2, 1, 0, 3)
-        k, v = cache.update_and_fetch(k, v)
-        if tree is None:
+            k, v = cache.update_and_fetch(k, v)
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=cache.make_mask(L))
             return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        cache.pending = L
-        if backend := tree_kernel(q, k, cache.window):
-            prefix = k.shape[2] - L
+        # A node per batch entry (B is 1), so that each gets its own position.
+        q, k, v = mx.split(qkv.reshape(L, -1, 1, self.head_dim), heads, axis=1)
+        pos, bound = tree.position(cache.offset)
+        depths = tree.node_depths()
+        positions = tree.once(("positions", tree.host_offset(cache.offset)), lambda: pos + depths)
+        q = apply_rope_at(q, self._freqs, positions).transpose(2, 1, 0, 3)
+        k = apply_rope_at(k, self._freqs, positions).transpose(2, 1, 0, 3)
+        keys, values, row = cache.write_tree(k, v.transpose(2, 1, 0, 3), pos, bound)
+        if backend := tree_kernel(q, keys, cache.window):
             parents = tree.once("parents", tree.parent_array)
-            start = tree.once(("prefix", prefix), lambda: mx.array([prefix], mx.int32))
-            out = tree_attention(q, k, v, parents, start, self._scale, backend=backend)
+            out = tree_attention(q, keys, values, parents, row, self._scale, backend=backend)
         else:
-            mask = cache.make_tree_mask(tree)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
+            mask = cache.tree_mask(tree, row, depths)
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
         return self.o_proj(out.reshape(B, L, -1))
 
 

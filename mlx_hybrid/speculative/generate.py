@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_hybrid.cache import accept_path
+from mlx_hybrid.cache import StateCache, accept_on_device, accept_path
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import (
     GenerationResponse,
@@ -138,21 +138,46 @@ def speculative_steps(
 
 
 def _greedy_passes(model: nn.Module, proposer, cache: list, root: int, hidden: mx.array) -> Iterator[tuple[list[int], int]]:
-    """Greedy speculation that waits on the host once per pass: drafting, verification and
-    acceptance (`accept.greedy_rows`) all run on the device, and the next draft is queued behind
-    the verification it depends on before the host reads which path was accepted. The host only
-    moves the caches to that path (`accept_path`)."""
+    """Greedy speculation with the host one pass behind the device, as plain decoding queues the
+    next token before reading this one: drafting, verification, acceptance (`accept.greedy_rows`)
+    and the cache moves (`accept_on_device`) all run on the device, each pass placed at a position
+    the device computes (`Tree.at`), so pass k + 1 is queued before the host reads pass k. The
+    host only learns each pass's tokens and advances the caches' offsets (`advance`); on exit the
+    recurrent states go back to those after the last pass it yielded."""
+    states = [c for c in cache if isinstance(c, StateCache)]
+    offset = cache[0].offset
+    pos = mx.array([offset], mx.int32)
     draft = proposer.draft(mx.array([root], mx.int32), hidden)
-    while True:
-        logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree)
-        info, last = accept.greedy_rows(draft, logits[0])
-        mx.async_eval(info)
-        draft = proposer.draft(info[1:2], hiddens[0, last])
-        mx.async_eval(draft.arrays())
-        info = info.tolist()
-        n, nxt, width = info[0], info[1], (len(info) - 2) // 2
-        accept_path(cache, info[2 : 3 + n])
-        yield info[3 + width : 3 + width + n] + [nxt], n
+    behind, kept = None, [c.arrays for c in states]  # the pass the host has not read; the states it yielded
+    try:
+        while True:
+            width = draft.rows.shape[1]
+            bound = offset if behind is None else offset + behind[2]  # the last pass kept at most its width
+            logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree.at(pos, bound))
+            info, last = accept.greedy_rows(draft, logits[0])
+            accept_on_device(cache, mx.maximum(info[2 : 2 + width], 0), last)
+            pos = pos + info[:1] + 1
+            draft = proposer.draft(info[1:2], hiddens[0, last])
+            mx.async_eval(info, pos, draft.arrays(), [c.state for c in cache])
+            ahead = (info, [c.arrays for c in states], width)
+            if behind is not None:
+                n, new = _read(behind[0], behind[2])
+                offset += n + 1
+                for c in cache:
+                    c.advance(n + 1)
+                kept = behind[1]
+                yield new, n
+            behind = ahead
+    finally:  # the queued pass never happened, as far as the caches can tell
+        for c, arrays in zip(states, kept):
+            c.arrays = arrays
+
+
+def _read(info: mx.array, width: int) -> tuple[int, list[int]]:
+    """(accepted drafts n, the pass's new tokens) from `accept.greedy_rows`' info."""
+    info = info.tolist()
+    n, nxt = info[0], info[1]
+    return n, info[3 + width : 3 + width + n] + [nxt]
 
 
 def speculative_generate(

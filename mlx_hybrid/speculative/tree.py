@@ -33,11 +33,15 @@ class Tree:
         offset plus its depth. None for a chain, where node t sits at depth t.
     mask: (T, T) bool, mask[t, s] is True when s is t or one of its ancestors. None for a chain,
         where it is the causal mask.
+    pos, bound: node 0's absolute position on the device and the most it can be (`at`); None:
+        the cache's offset.
     """
 
     parents: list[int] | mx.array
     depths: mx.array | None = None
     mask: mx.array | None = None
+    pos: mx.array | None = None
+    bound: int = 0
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -64,6 +68,26 @@ class Tree:
                 self._memo.clear()
             self._memo[key] = make()
         return self._memo[key]
+
+    def at(self, pos: mx.array, bound: int) -> "Tree":
+        """This tree placed at absolute position pos, a (1,) int32 device array the host may not
+        know yet (bound: the most it can be), with a memo of its own: a greedy pass queued behind
+        the previous one's acceptance."""
+        return Tree(self.parents, self.depths, self.mask, pos, bound)
+
+    def position(self, offset: int) -> tuple[mx.array, int]:
+        """Node 0's position as a device array and its host bound: `pos`, or else the cache offset."""
+        if self.pos is not None:
+            return self.pos, self.bound
+        return self.once(("pos", offset), lambda: mx.array([offset], mx.int32)), offset
+
+    def host_offset(self, offset: int) -> int | None:
+        """What memo keys of per-position arrays carry: the cache offset, unless `pos` fixes it."""
+        return None if self.pos is not None else offset
+
+    def node_depths(self) -> mx.array:
+        """`depths`, spelled out for a chain."""
+        return self.depths if self.depths is not None else self.once("depths", lambda: mx.arange(len(self), dtype=mx.int32))
 
     def parent_array(self) -> mx.array:
         return self.parents if isinstance(self.parents, mx.array) else mx.array(self.parents, mx.int32)
