@@ -4,15 +4,18 @@ chain and as a binary tree (per-node positions), each through the tree-attention
 the device has one) and through MLX's attention with a mask (causal, or an array for the tree),
 MLX's attention alone with each kind of mask (30 calls), single ops (a chain of 200 on a
 576-wide activation), each proposer's draft compiled (as the
-loop runs it) and eager, a verification with device-side acceptance, and the KV rows moved after
-accepting a prefix of the nodes vs another path.
+loop runs it) and eager, a verification with device-side acceptance, the KV rows moved after
+accepting a prefix of the nodes vs another path, and, as the loops run them (host and device
+overlapped), a plain decode step and a greedy pass of each method.
 
-Random weights in SmolLM2-135M's shape with untrained heads (benchmarks/speculative.py's), 256
-context tokens, each timing the median of 20 synchronous runs (milliseconds; the host waits for
-each, unlike pipelined decoding). BITS (4 or 8) quantizes the target as `hybrid convert` does by
-default. Prints JSON.
+A model directory with its medusa/ and/or redrafter/ (the default hybrid, a converted target), or
+a new directory: random weights in SmolLM2-135M's shape with untrained heads
+(benchmarks/speculative.py's). 256 context tokens, each timing the median of 20 synchronous runs
+(milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
+target as `hybrid convert` does by default. Prints JSON.
 
     python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS]
+    python benchmarks/pass_cost.py mlx_hybrid/data/default
 """
 import sys, time, json
 from pathlib import Path
@@ -24,21 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import make_synthetic
 from speculative import write_heads
 from mlx_hybrid.loader import load_model
-from mlx_hybrid.generate import prefill, generation_stream
-from mlx_hybrid.speculative.generate import load_proposer
+from mlx_hybrid.generate import generate_step, prefill, generation_stream
+from mlx_hybrid.speculative.generate import _greedy_passes, load_proposer
 from mlx_hybrid.speculative import accept
 from mlx_hybrid.speculative.tree import Tree
-from mlx_hybrid.cache import accept_path
+from mlx_hybrid.cache import accept_path, trim_cache
 from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 
 d = Path(sys.argv[1])
-if not (d / "config.json").is_file():
+if not (d / "config.json").is_file():  # a synthetic target, with untrained heads beside it
     make_synthetic("smollm2-135m", d, seed=0)
+    write_heads(d, load_model(d), 0, 2)
 model = load_model(d)
-if not (d / "medusa").is_dir():
-    write_heads(d, model, 0, 2)
+methods = [m for m in ("medusa", "redrafter") if (d / m).is_dir()]
 if len(sys.argv) > 2:  # a quantized target, as `hybrid convert` writes by default
     nn.quantize(model, 64, int(sys.argv[2]))
 rng = np.random.default_rng(0)
@@ -112,9 +115,24 @@ with mx.stream(generation_stream):
                 return b
             out[f"op_{name}_T{T}_us"] = round(1000 * ms(lambda: mx.eval(chain())) / 200, 2)
             out[f"op_{name}_T{T}_host_us"] = round(1e6 * median(host() for _ in range(10)) / 200, 2)
+    # Decoding as the loops run it, host and device overlapped: plain decoding, and greedy passes
+    # queued one ahead of the host (per pass; the context grows by what each pass accepts).
+    def per_item(steps, n=40):
+        next(steps)
+        t = time.perf_counter()
+        for _ in range(n): next(steps)
+        dt = (time.perf_counter() - t) / n
+        steps.close()
+        return round(1000 * dt, 3)
+    out["decode_pipelined"] = median(per_item(generate_step(mx.array([5]), model, cache, lambda x: mx.argmax(x, -1), max_tokens=50)) for _ in range(3))
+    trim_cache(cache, cache[0].offset - 256)
     hidden = model(mx.array([[5]]), cache, return_hidden=True)[1][0, -1]
     for c in cache: c.trim(1)
-    for method in ("medusa", "redrafter"):
+    for method in methods:
+        p = load_proposer(method, model, d)
+        out[f"{method}_pass_pipelined"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
+        trim_cache(cache, cache[0].offset - 256)
+    for method in methods:
         p = load_proposer(method, model, d)
         root = mx.array([7], mx.int32)
         out[f"{method}_draft"] = ms(lambda: mx.eval(p.draft(root, hidden).arrays()))
