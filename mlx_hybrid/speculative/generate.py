@@ -145,14 +145,13 @@ def _greedy_passes(model: nn.Module, proposer, cache: list, root: int, hidden: m
     host only learns each pass's tokens and advances the caches' offsets (`advance`); on exit the
     recurrent states go back to those after the last pass it yielded."""
     states = [c for c in cache if isinstance(c, StateCache)]
-    offset = cache[0].offset
-    pos = mx.array([offset], mx.int32)
+    pos = mx.array([cache[0].offset], mx.int32)
     draft = proposer.draft(mx.array([root], mx.int32), hidden)
     behind, kept = None, [c.arrays for c in states]  # the pass the host has not read; the states it yielded
     try:
         while True:
             width = draft.rows.shape[1]
-            bound = offset if behind is None else offset + behind[2]  # the last pass kept at most its width
+            bound = cache[0].offset + (behind[2] if behind else 0)  # the unread pass kept at most its width
             logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree.at(pos, bound))
             info, last = accept.greedy_rows(draft, logits[0])
             accept_on_device(cache, mx.maximum(info[2 : 2 + width], 0), last)
@@ -162,7 +161,6 @@ def _greedy_passes(model: nn.Module, proposer, cache: list, root: int, hidden: m
             ahead = (info, [c.arrays for c in states], width)
             if behind is not None:
                 n, new = _read(behind[0], behind[2])
-                offset += n + 1
                 for c in cache:
                     c.advance(n + 1)
                 kept = behind[1]
