@@ -362,7 +362,7 @@ def _save(module, path, config):
     (path / "config.json").write_text(json.dumps(config))
 
 
-def test_medusa_layout_matches_pytorch_reference(target, tmp_path):
+def test_medusa_layout_matches_pytorch_reference(target, tmp_path, exact_float32):
     import torch
 
     _, model, _ = target
@@ -378,7 +378,7 @@ def test_medusa_layout_matches_pytorch_reference(target, tmp_path):
 
 
 @pytest.mark.parametrize("exit_dim", [None, 48])
-def test_redrafter_layout_matches_pytorch_reference(target, tmp_path, exit_dim):
+def test_redrafter_layout_matches_pytorch_reference(target, tmp_path, exit_dim, exact_float32):
     import torch
 
     _, model, _ = target

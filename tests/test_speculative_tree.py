@@ -313,7 +313,7 @@ def test_tree_pass_equals_plain_decoding(model):
     np.testing.assert_allclose(np.array(got[0]), np.array(ref[0, -3:]), atol=ATOL)
 
 
-def test_chain_pass_then_accept_is_a_trim(model):
+def test_chain_pass_then_accept_is_a_trim(model, exact_float32):
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, model.args.vocab_size, 9).tolist()
     chain = rng.integers(0, model.args.vocab_size, 5).tolist()
