@@ -112,26 +112,50 @@ def run_steps(model, proposer, prompt, n, sampling=GREEDY):
 
 
 class OracleProposer:
-    """Knows the reference continuation and hides it in a Cartesian Medusa tree: the true tokens
-    fill a random path down to a random depth, random tokens the rest. Accepted paths then vary in
-    length and sit anywhere in the tree, so cache compaction really moves rows."""
+    """Knows the reference continuation (ref[0]: the first token after the prompt) and hides it in
+    a Cartesian Medusa tree: the true tokens fill a random path down to a random depth, every other
+    node a token that cannot be accepted. Accepted paths then vary in length and sit anywhere in
+    the tree, so cache compaction really moves rows, and the target accepts exactly the true path."""
 
-    def __init__(self, reference: list[int], vocab: int, seed: int):
-        self.ref, self.vocab = reference, vocab
+    def __init__(self, reference: list[int], vocab: int, seed: int, prompt_len: int = 0):
+        self.ref, self.vocab, self.prompt_len = reference, vocab, prompt_len
         self.rng = np.random.default_rng(seed)
         self.tree = MedusaTree(cartesian_paths([3, 2, 2]))
         self.depth = 3
 
-    def propose(self, history, hidden, sampling):
-        done = len(history) - self.prompt_len  # tokens of the reference emitted so far
-        tokens = self.rng.integers(0, self.vocab, len(self.tree))
-        tokens[0] = history[-1]
-        true_depth = self.rng.integers(0, 4)
+    def tokens(self, done: int) -> tuple[np.ndarray, int]:
+        """A tree whose root is ref[done], and the depth of its true path."""
+        ahead = self.ref[done:] + [None] * self.depth
+        depth = int(min(self.rng.integers(0, self.depth + 1), max(0, len(self.ref) - 1 - done)))
         ranks = [self.rng.integers(0, k) for k in self.tree.topk]
+        tokens = self.rng.integers(0, self.vocab, len(self.tree))
+        tokens[0] = ahead[0]
         for node, path in enumerate(self.tree.paths, start=1):
-            if len(path) <= true_depth and path == ranks[: len(path)] and done + len(path) - 1 < len(self.ref):
-                tokens[node] = self.ref[done + len(path) - 1]
+            true = ahead[len(path)]
+            if len(path) <= depth and path == ranks[: len(path)]:
+                tokens[node] = true
+            elif tokens[node] == true:
+                tokens[node] = (true + 1) % self.vocab
+        return tokens, depth
+
+    def propose(self, history, hidden, sampling):
+        tokens, _ = self.tokens(len(history) - self.prompt_len - 1)
         return Candidates(tokens, self.tree.parents, tree=self.tree.tree)
+
+
+class OracleDrafts(OracleProposer):
+    """The oracle for the greedy loop (`draft`): it knows where each pass leaves the target, the
+    end of the true path, without reading the device."""
+
+    def __init__(self, reference: list[int], vocab: int, seed: int):
+        super().__init__(reference, vocab, seed)
+        self.done = 0  # ref[done]: the next pass's root
+        self.rows = mx.array(self.tree.retrieve)
+
+    def draft(self, root: mx.array, hidden: mx.array) -> Draft:
+        tokens, depth = self.tokens(self.done)
+        self.done += depth + 1
+        return Draft(mx.array(tokens, mx.int32), self.tree.tree, self.rows)
 
 
 N_TOKENS = 36
@@ -158,8 +182,7 @@ def references(target):
 def test_greedy_oracle_tree_equals_plain_greedy(target, references):
     _, model, _ = target
     for i, (prompt, ref) in enumerate(references):
-        oracle = OracleProposer(ref[1:], model.args.vocab_size, seed=i)
-        oracle.prompt_len = len(prompt) + 1
+        oracle = OracleProposer(ref, model.args.vocab_size, seed=i, prompt_len=len(prompt))
         got, steps, accepted = run_steps(model, oracle, prompt, N_TOKENS)
         assert got == ref, f"prompt {prompt}"
         assert accepted > 10  # deep paths were accepted, not just the root
@@ -458,40 +481,12 @@ def test_hybrid_target_greedy_equals_plain_greedy(tmp_path):
         DraftProposer(noisy_copy(model, path, 0.01, seed=1), model, k=4),
     ]
     for i, (prompt, ref) in enumerate(references):
-        oracle = OracleProposer(ref[1:], model.args.vocab_size, seed=i)
-        oracle.prompt_len = len(prompt) + 1
+        oracle = OracleProposer(ref, model.args.vocab_size, seed=i, prompt_len=len(prompt))
         for proposer in [oracle] + proposers:
             got, _, accepted = run_steps(model, proposer, prompt, N_TOKENS)
             assert got == ref, f"{type(proposer).__name__}, prompt {prompt}"
             if proposer is oracle:
                 assert accepted > 10
-
-
-class OracleDrafts:
-    """`OracleProposer` for the greedy loop (`draft`): the true tokens fill a random path down to a
-    random depth, every other node a token that cannot be accepted. The target then accepts exactly
-    the true path, so the oracle knows where each pass leaves it without reading the device."""
-
-    def __init__(self, reference: list[int], vocab: int, seed: int):
-        self.ref, self.vocab, self.done = reference, vocab, 0  # ref[done]: the next pass's root
-        self.rng = np.random.default_rng(seed)
-        self.tree = MedusaTree(cartesian_paths([3, 2, 2]))
-        self.rows = mx.array(self.tree.retrieve)
-
-    def draft(self, root: mx.array, hidden: mx.array) -> Draft:
-        ahead = self.ref[self.done :] + [None] * 4
-        depth = int(min(self.rng.integers(0, 4), max(0, len(self.ref) - 1 - self.done)))
-        ranks = [self.rng.integers(0, k) for k in self.tree.topk]
-        tokens = self.rng.integers(0, self.vocab, len(self.tree))
-        tokens[0] = ahead[0]
-        for node, path in enumerate(self.tree.paths, start=1):
-            true = ahead[len(path)]
-            if len(path) <= depth and path == ranks[: len(path)]:
-                tokens[node] = true
-            elif tokens[node] == true:
-                tokens[node] = (true + 1) % self.vocab
-        self.done += depth + 1
-        return Draft(mx.array(tokens, mx.int32), self.tree.tree, self.rows)
 
 
 def test_greedy_passes_leave_the_caches_at_the_last_pass_yielded(tmp_path):
