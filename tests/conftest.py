@@ -1,10 +1,19 @@
+import importlib
+
 import mlx.core as mx
 import pytest
 
+# The package exports a function `generate` that hides the module of that name.
+LOOPS = [importlib.import_module(m) for m in ("mlx_hybrid.generate", "mlx_hybrid.speculative.generate")]
+
 
 @pytest.fixture
-def exact_float32():
-    """Run the test on the CPU: it checks float32 results to a tolerance that MLX's CUDA backend,
-    which multiplies float32 in TF32, does not meet (the GPU paths have parity tests of their own)."""
-    with mx.stream(mx.cpu):
+def exact_float32(monkeypatch):
+    """Run the test on the CPU, generation loops included: it checks float32 results to a
+    tolerance (or greedy tokens through near-ties) that MLX's CUDA backend, which multiplies
+    float32 in TF32, does not meet (the GPU paths have parity tests of their own)."""
+    cpu = mx.new_stream(mx.cpu)
+    for module in LOOPS:
+        monkeypatch.setattr(module, "generation_stream", cpu)
+    with mx.stream(cpu):
         yield

@@ -72,7 +72,7 @@ def test_tree_pass_equals_decoding_each_path(model, layer, where):
             np.testing.assert_allclose(np.array(got), np.array(want), atol=ATOL, err_msg=f"state after node {node}")
 
 
-def test_hybrid_model_verifies_a_tree(model):
+def test_hybrid_model_verifies_a_tree(model, exact_float32):
     """The whole hybrid (Mamba, Mamba2, DSLA and attention layers) verifies a candidate tree in
     one pass: each node's logits equal decoding its path token by token, and after accepting a
     path the cache continues exactly as if the path had been decoded."""

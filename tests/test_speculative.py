@@ -454,7 +454,7 @@ def test_calibrate_writes_greedy_tree(target, references, tmp_path):
     assert len(tree) == 13 and sorted(tree.paths) == sorted(result["medusa_choices"])
 
 
-def test_speculative_generate_matches_stream_generate(target):
+def test_speculative_generate_matches_stream_generate(target, exact_float32):
     """Same text, tokens and finish reasons as the plain API, stop strings and max tokens included."""
     path, model, tokenizer = target
     proposer = DraftProposer(noisy_copy(model, path, 0.01, seed=3), model, k=3)
