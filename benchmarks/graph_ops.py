@@ -137,7 +137,7 @@ def measure(model, heads_dir: Path, methods: list[str]) -> dict:
             parts["verification forward"] = tally(logits, hiddens, *[a for c in cache for a in c.state])
             info, last = accept.greedy_rows(draft, logits[0])
             parts["acceptance"] = tally(info, last, hiddens[0, last], pos + info[:1] + 1)
-            accept_on_device(cache, mx.maximum(info[2 : 2 + draft.rows.shape[1]], 0), last)
+            accept_on_device(cache, info[2 : 2 + draft.rows.shape[1]], last)
             parts["cache moves"] = tally(*[a for c in cache for a in c.state])
             out[method] = dict(parts, nodes=len(draft.tokens))
     return out

@@ -8,10 +8,11 @@
 // One threadgroup per (node t, query head h), NW simdgroups of 32 threads: lane l holds elements
 // [l*E, l*E + E) of the head dimension D <= 32*E; simdgroup w takes every NW-th visible row with
 // an online softmax, and thread d < D merges the NW partial results for element d.
-// Inputs q (1, H, TN, D) queries, any strides; k, v (1, KV, >= P + TN, D) the cache with the
-// tree's rows at P + node, any strides; parents (TN,) int32, -1 for a root; prefix (1,) int32,
-// P, the rows before the tree; scale (1,) float32. Output out (1, TN, H, D). Template: T, H,
-// R (query heads per KV head), TN, D, E, NW.
+// Inputs q (1, H, TN, D) queries, any strides; k, v (1, KV, >= P, D) the cache, whose first P
+// rows come before the tree; tk, tv (1, KV, TN, D) the tree's own keys and values, which the
+// cache receives only for the accepted path, after the pass; all any strides; parents (TN,)
+// int32, -1 for a root; prefix (1,) int32, P; scale (1,) float32. Output out (1, TN, H, D).
+// Template: T, H, R (query heads per KV head), TN, D, E, NW.
 const int group = threadgroup_position_in_grid.x;
 const int tid = thread_position_in_threadgroup.x;
 const int lane = tid % 32;
@@ -48,12 +49,16 @@ for (int e = 0; e < E; ++e) {
 float m = -1e30f;
 float l = 0.0f;
 for (int i = warp; i < rows; i += NW) {
-  const int row = i < P ? i : P + chain[i - P];
-  const int64_t kb = kvh * k_strides[1] + row * k_strides[2];
-  const int64_t vb = kvh * v_strides[1] + row * v_strides[2];
+  const bool cached = i < P;  // else tree node chain[i - P], read from tk, tv
+  const int row = cached ? i : chain[i - P];
+  const int64_t kb = cached ? kvh * k_strides[1] + row * k_strides[2] : kvh * tk_strides[1] + row * tk_strides[2];
+  const int64_t vb = cached ? kvh * v_strides[1] + row * v_strides[2] : kvh * tv_strides[1] + row * tv_strides[2];
+  const int64_t ks = cached ? k_strides[3] : tk_strides[3];
+  const int64_t vs = cached ? v_strides[3] : tv_strides[3];
   float s = 0.0f;
   for (int e = 0; e < E && lane * E + e < D; ++e) {
-    s += qv[e] * static_cast<float>(k[kb + (lane * E + e) * k_strides[3]]);
+    const int64_t at = kb + (lane * E + e) * ks;
+    s += qv[e] * static_cast<float>(cached ? k[at] : tk[at]);
   }
   s = simd_sum(s);
   const float mn = m > s ? m : s;
@@ -61,7 +66,8 @@ for (int i = warp; i < rows; i += NW) {
   const float b = metal::exp(s - mn);
   l = l * a + b;
   for (int e = 0; e < E && lane * E + e < D; ++e) {
-    ov[e] = ov[e] * a + b * static_cast<float>(v[vb + (lane * E + e) * v_strides[3]]);
+    const int64_t at = vb + (lane * E + e) * vs;
+    ov[e] = ov[e] * a + b * static_cast<float>(cached ? v[at] : tv[at]);
   }
   m = mn;
 }

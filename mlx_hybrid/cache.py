@@ -8,10 +8,11 @@ A recurrent layer's state cannot be rolled back token by token; instead `snapsho
 reference to the current state (MLX arrays are immutable, so this copies nothing) and `restore`
 returns to it. To verify speculative candidates, a recurrent layer runs them all and leaves a
 `pending` function that gives the state after any candidate; `accept` then keeps the state at
-the end of the accepted path, so accepted tokens are never run again. A KV cache keeps the
-candidates' rows after such a pass and `accept` moves the accepted path's rows together.
-`accept_on_device` does the same for a path the host has not read yet, so that greedy passes can
-be queued one ahead of the host; `advance` then moves the offsets once it has.
+the end of the accepted path, so accepted tokens are never run again. A KV cache holds the
+candidates' keys and values apart from its buffer during such a pass (attention reads them from
+there) and `accept` writes only the accepted path's into the buffer. `accept_on_device` does the
+same for a path the host has not read yet, so that greedy passes can be queued one ahead of the
+host; `advance` then moves the offsets once it has.
 """
 
 import functools
@@ -28,7 +29,7 @@ class KVCache:
         self.offset = 0  # absolute position of the next token
         self.start = 0  # absolute position of keys[..., 0, :]
         self.window = window
-        self.pending = None  # candidate rows appended by the last verification pass, until `accept`
+        self.pending = None  # (buffer row of node 0, keys, values) of the last verification pass's tree
 
     @property
     def size(self) -> int:
@@ -49,7 +50,7 @@ class KVCache:
 
     def _reserve(self, rows: int, keys: mx.array, values: mx.array):
         """Room for `rows` buffer rows. The whole old buffer is copied: while greedy passes run
-        ahead of the host (`write_tree`), rows past `offset` may hold accepted tokens already."""
+        ahead of the host (`accept_on_device`), rows past `offset` may hold accepted tokens already."""
         if self.keys is not None and rows <= self.keys.shape[2]:
             return
         capacity = (rows + STEP - 1) // STEP * STEP
@@ -60,26 +61,27 @@ class KVCache:
             new_v[..., : self.values.shape[2], :] = self.values
         self.keys, self.values = new_k, new_v
 
-    def write_tree(self, keys: mx.array, values: mx.array, pos: mx.array, bound: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Write a candidate tree's n keys/values at absolute position pos, a (1,) int32 device
-        array that may not be known on the host yet (bound: the most it can be). Returns the whole
-        buffers and the buffer row of node 0; `offset` moves only on `accept` / `advance`."""
+    def hold_tree(self, keys: mx.array, values: mx.array, pos: mx.array, bound: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Hold a candidate tree's n keys/values (1, KV, n, D) until `accept`, which writes the
+        accepted path's at absolute position pos, a (1,) int32 device array the host may not know
+        yet (bound: the most it can be). Nothing is written now: attention reads the tree's rows
+        apart from the buffer (`mlx_hybrid.tree_attention`), so that accepting a path is one write
+        per array rather than a write of every node and then a move of the path. Returns the whole
+        buffers and the buffer row where node 0 goes (rows before it precede the tree)."""
         n = keys.shape[2]
         if self.window is not None:
             self._drop_unreachable()
         self._reserve(bound - self.start + n, keys, values)
         row = pos if self.start == 0 else pos - self.start
-        self.keys = mx.slice_update(self.keys, keys, row, (2,))
-        self.values = mx.slice_update(self.values, values, row, (2,))
-        self.pending = (row, n)
+        self.pending = (row, keys, values)
         return self.keys, self.values, row
 
     def _drop_unreachable(self):
         # Queries from now on sit at positions >= offset and see keys > offset - window.
         drop = self.offset - self.window + 1 - self.start
         if drop >= STEP:
-            self.keys = self.keys[..., drop : self.size, :]
-            self.values = self.values[..., drop : self.size, :]
+            self.keys = self.keys[..., drop:, :]  # rows past `offset` may hold a path the host has not read
+            self.values = self.values[..., drop:, :]
             self.start += drop
 
     def make_mask(self, n: int):
@@ -92,54 +94,47 @@ class KVCache:
         return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
 
     def tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
-        """Mask (n, buffer rows) for the tree just written at buffer row `row` (`write_tree`):
-        every node sees the rows before the tree (within the window), then itself and its
-        ancestors, nothing past them. Built once per pass (`Tree.once`)."""
+        """Mask (n, buffer rows + n) for the tree held at buffer row `row` (`hold_tree`), over the
+        buffer followed by the tree's own rows: every node sees the rows before the tree (within
+        the window), then itself and its ancestors. Built once per pass (`Tree.once`)."""
         key = ("mask", tree.host_offset(self.offset), self.start, self.keys.shape[2])
         return tree.once(key, lambda: self._tree_mask(tree, row, depths))
 
     def _tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
-        n = len(tree)
         rel = mx.arange(self.keys.shape[2]) - row  # buffer row relative to node 0
-        before = rel < 0
+        before = mx.broadcast_to(rel[None] < 0, (len(tree), rel.shape[0]))
         if self.window is not None:
             before = before & (depths[:, None] - rel[None] < self.window)
-        own = tree.visible()[:, mx.clip(rel, 0, n - 1)] & ((rel >= 0) & (rel < n))[None]
-        return before | own
+        return mx.concatenate([before, tree.visible()], axis=1)
 
     def accept(self, path: list[int]):
-        """Of the rows the last verification pass wrote (`write_tree`), keep those of the accepted
-        path (node indices, root first) in path order, and drop the rest."""
+        """Write the accepted path's keys/values (node indices, root first, in path order) from
+        the tree the last verification pass held (`hold_tree`) after the tokens before it."""
+        _, keys, values = self.pending
         self.pending = None
-        base = self.offset - self.start  # buffer row of node 0
-        # Rows already in place (a prefix of the nodes) stay; the rest move with one gather and
-        # one write per array. Fancy indexing would spell this as ~14 ops per array, and on a GPU
-        # each op costs host time whatever its size.
-        keep = next((i for i, p in enumerate(path) if p != i), len(path))
-        if keep < len(path):
-            rows, end = tuple(base + p for p in path[keep:]), base + len(path)
-            for name in ("keys", "values"):
-                buffer = getattr(self, name)
-                index = _row_index(rows, (*buffer.shape[:2], len(rows), buffer.shape[3]))
-                buffer[..., base + keep : end, :] = mx.take_along_axis(buffer, index, axis=2)
-        self.offset += len(path)
+        base, n = self.offset - self.start, len(path)
+        if n:
+            index = _path_index(tuple(path))  # None: a prefix of the nodes, a view of them
+            for name, rows in (("keys", keys), ("values", values)):
+                rows = rows[..., :n, :] if index is None else mx.take(rows, index, axis=2)
+                getattr(self, name)[..., base : base + n, :] = rows
+        self.offset += n
 
     def accept_on_device(self, nodes: mx.array, last: mx.array, memo: dict):
-        """`accept` for a path the host has not read: nodes (W,) int32, the accepted path's nodes
-        first, then any valid nodes (the rows past the path are left for the next tree to
-        overwrite). All W rows move, with one gather and one write per array; the gather index is
-        shared through memo by the layers that wrote at the same row. `advance` moves `offset`
-        once the host knows the path's length."""
-        row, _ = self.pending
+        """`accept` for a path the host has not read: nodes (W,) int32, the tree's row that holds
+        the path (its first n + 1 nodes), -1 past the row's end. One scatter per array writes
+        every node of the tree: the row's nodes in row order from node 0's buffer row on, the
+        others after them, where the next path overwrites them; the scatter's index is built once
+        for the layers that share its shape and row (memo). `advance` moves `offset` once the host
+        knows the path's length."""
+        row, keys, values = self.pending
         self.pending = None
-        for name in ("keys", "values"):
-            buffer = getattr(self, name)
-            shape = (*buffer.shape[:2], nodes.shape[0], buffer.shape[3])
-            key = (id(row), shape)
-            if key not in memo:
-                memo[key] = (row, mx.broadcast_to((row + nodes)[None, None, :, None], shape))
-            moved = mx.take_along_axis(buffer, memo[key][1], axis=2)
-            setattr(self, name, mx.slice_update(buffer, moved, row, (2,)))
+        key = (id(row), keys.shape)
+        if key not in memo:
+            memo[key] = (row, mx.broadcast_to(_destinations(nodes, keys.shape[2], row)[None, None, :, None], keys.shape))
+        index = memo[key][1]
+        self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, index, values, axis=2)
 
     def advance(self, n: int):
         """The host learned that the last `accept_on_device` kept n tokens."""
@@ -167,10 +162,20 @@ class KVCache:
 
 
 @functools.lru_cache(maxsize=8)
-def _row_index(rows: tuple[int, ...], shape: tuple[int, ...]) -> mx.array:
-    """Buffer rows to gather, broadcast to shape: built once for all the layers that move the same
-    rows (a broadcast is an op too)."""
-    return mx.broadcast_to(mx.array(rows, mx.int32)[None, None, :, None], shape)
+def _path_index(path: tuple[int, ...]) -> mx.array | None:
+    """The nodes to gather for an accepted path, built once for all the layers (None: the path is
+    nodes 0, 1, ..., a slice)."""
+    return None if path == tuple(range(len(path))) else mx.array(path, mx.int32)
+
+
+def _destinations(nodes: mx.array, n: int, row: mx.array) -> mx.array:
+    """Buffer row of each of a tree's n nodes for `KVCache.accept_on_device`: row + the node's
+    place in `nodes` (-1 past its end), and row + n - 1 for nodes not in it. That row is past the
+    path unless every node is on it, and rows past the path are never read before a later path
+    overwrites them, so colliding there is harmless."""
+    width = nodes.shape[0]
+    slot = mx.put_along_axis(mx.full((n + 1,), n - 1, mx.int32), mx.where(nodes < 0, n, nodes), mx.arange(width, dtype=mx.int32), axis=0)
+    return row + slot[:n]
 
 
 class StateCache:

@@ -1,5 +1,7 @@
 """Attention over the nodes of a candidate tree, the verification pass of speculative decoding:
-each node sees the cached rows before the tree, itself and its ancestors, and nothing else.
+each node sees the cached rows before the tree, itself and its ancestors, and nothing else. The
+nodes' keys and values come apart from the cache's: the cache receives only the accepted path's,
+after the pass (`KVCache.hold_tree`), one write per array instead of a write and a move.
 
 `tree_attention_ref` is the ground truth, MLX's attention with that mask spelled out. On a GPU,
 `tree_attention` is one kernel launch (metal_kernels/tree_attention.cu) that walks each node's
@@ -13,27 +15,31 @@ import mlx.core as mx
 from mlx_hybrid.kernels import kernel_backend, load_kernel
 
 
-def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, visible: mx.array, prefix: int, scale: float) -> mx.array:
-    """q (1, H, T, D) for the T nodes; keys, values (1, KV, >= prefix + T, D) holding node t's key
-    at row prefix + t; visible (T, T) bool, node s is node t or an ancestor of it
-    (`Tree.visible`). Returns (1, T, H, D)."""
+def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
+                       visible: mx.array, prefix: int, scale: float) -> mx.array:
+    """q (1, H, T, D) for the T nodes; keys, values (1, KV, >= prefix, D), the cache, whose first
+    prefix rows come before the tree; tree_keys, tree_values (1, KV, T, D) the nodes' own; visible
+    (T, T) bool, node s is node t or an ancestor of it (`Tree.visible`). Returns (1, T, H, D)."""
+    keys = mx.concatenate([keys[..., :prefix, :], tree_keys], axis=2)
+    values = mx.concatenate([values[..., :prefix, :], tree_values], axis=2)
     T = q.shape[2]
     mask = mx.concatenate([mx.ones((T, prefix), mx.bool_), visible], axis=1)
-    n = prefix + T
-    out = mx.fast.scaled_dot_product_attention(q, keys[..., :n, :], values[..., :n, :], scale=scale, mask=mask)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3)
 
 
-def tree_attention(q: mx.array, keys: mx.array, values: mx.array, parents: mx.array, prefix: mx.array, scale: mx.array, *, backend: str) -> mx.array:
+def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
+                   parents: mx.array, prefix: mx.array, scale: mx.array, *, backend: str) -> mx.array:
     """`tree_attention_ref` on the 'metal' or 'cuda' kernel: parents (T,) int32, prefix (1,) int32
     and scale (1,) float32 as arrays, so one compiled kernel serves every step. Inputs keep their
-    strides (the queries come transposed out of RoPE, the keys are a view of the cache)."""
+    strides (the queries come transposed out of RoPE, the keys are the cache's whole buffer)."""
     _, H, T, D = q.shape
     lanes = -(-D // 32)  # head-dimension elements per lane
     warps = max(4, lanes)  # the merge gives each of the D outputs a thread
-    kernel = load_kernel(backend, "tree_attention", ("q", "k", "v", "parents", "prefix", "scale"), ("out",), contiguous=False)
+    names = ("q", "k", "v", "tk", "tv", "parents", "prefix", "scale")
+    kernel = load_kernel(backend, "tree_attention", names, ("out",), contiguous=False)
     (out,) = kernel(
-        inputs=[q, keys, values, parents, prefix, scale],
+        inputs=[q, keys, values, tree_keys, tree_values, parents, prefix, scale],
         template=[("T", q.dtype), ("H", H), ("R", H // keys.shape[1]), ("TN", T), ("D", D), ("E", lanes), ("NW", warps)],
         grid=(T * H * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),

@@ -238,30 +238,32 @@ def kv_rows(a, b):
 def test_kv_cache_accept_compacts():
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 5), kv_rows(100, 105))  # a 5-token prefix
-    cache.write_tree(kv_rows(5, 11), kv_rows(105, 111), mx.array([5], mx.int32), 5)  # 6 candidate nodes
+    cache.hold_tree(kv_rows(5, 11), kv_rows(105, 111), mx.array([5], mx.int32), 5)  # 6 candidate nodes
     assert cache.offset == 5
     cache.accept([0, 2, 5])
     assert cache.offset == 8 and cache.pending is None
     k, v = cache.update_and_fetch(kv_rows(50, 51), kv_rows(150, 151))
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50]
     assert v[0, 1, :, 3].tolist() == [100, 101, 102, 103, 104, 105, 107, 110, 150]
-    # A path that is a prefix of the rows is a plain trim.
-    cache.write_tree(kv_rows(60, 63), kv_rows(160, 163), mx.array([9], mx.int32), 9)
+    # A path that is a prefix of the nodes is written without a gather.
+    cache.hold_tree(kv_rows(60, 63), kv_rows(160, 163), mx.array([9], mx.int32), 9)
     cache.accept([0, 1])
     assert cache.offset == 11 and cache.keys[0, 0, :11, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50, 60, 61]
 
 
 def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
-    """Two trees queued before the host reads either path: the second is written where the first
-    path ended (a device position), and its rows survive the buffer growing past the host's offset."""
+    """Two trees queued before the host reads either path: the second is held where the first
+    path ended (a device position), the rows its accepting writes past that path's (the rest of
+    the first row, the nodes off it) are overwritten, and the first path survives the buffer
+    growing past the host's offset."""
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 250), kv_rows(1000, 1250))
     pos = mx.array([250], mx.int32)
-    cache.write_tree(kv_rows(300, 306), kv_rows(1300, 1306), pos, 250)
-    accept_on_device([cache], mx.array([0, 2, 5, 0], mx.int32), mx.array(5))  # path 0, 2, 5 (n = 2)
+    cache.hold_tree(kv_rows(300, 306), kv_rows(1300, 1306), pos, 250)
+    accept_on_device([cache], mx.array([0, 2, 5, 3], mx.int32), mx.array(5))  # path 0, 2, 5 of the row (n = 2)
     pos = pos + 3
-    cache.write_tree(kv_rows(400, 410), kv_rows(1400, 1410), pos, 250 + 4)  # grows the buffer past 256
-    accept_on_device([cache], mx.array([0, 1, 4, 0], mx.int32), mx.array(4))  # path 0, 1, 4
+    cache.hold_tree(kv_rows(400, 410), kv_rows(1400, 1410), pos, 250 + 4)  # grows the buffer past 256
+    accept_on_device([cache], mx.array([0, 1, 4, -1], mx.int32), mx.array(4))  # path 0, 1, 4, a short row
     for n in (3, 3):
         cache.advance(n)
     assert cache.offset == 256 and cache.keys.shape[2] == 512
@@ -270,16 +272,18 @@ def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
 
 
 def test_tree_mask_sees_the_prefix_and_the_ancestors():
-    """The mask over the whole buffer for a tree written at a device position, with a window."""
+    """The mask over the whole buffer and then the tree's own rows, for a tree held at a device
+    position, with a window."""
     cache = KVCache(window=4)
     cache.update_and_fetch(kv_rows(0, 5), kv_rows(0, 5))
     tree = Tree.from_parents([-1, 0, 0, 2]).at(mx.array([5], mx.int32), 5)
-    _, _, row = cache.write_tree(kv_rows(5, 9), kv_rows(5, 9), tree.pos, tree.bound)
+    _, _, row = cache.hold_tree(kv_rows(5, 9), kv_rows(5, 9), tree.pos, tree.bound)
     mask = np.array(cache.tree_mask(tree, row, tree.node_depths()))
-    want = np.zeros((4, cache.keys.shape[2]), bool)
+    rows = cache.keys.shape[2]
+    want = np.zeros((4, rows + 4), bool)
     for t, depth in enumerate([0, 1, 1, 2]):
         want[t, max(0, 5 + depth - 3) : 5] = True  # rows within the window before the tree
-    want[:, 5:9] = ancestor_mask([-1, 0, 0, 2])
+    want[:, rows:] = ancestor_mask([-1, 0, 0, 2])
     np.testing.assert_array_equal(mask, want)
 
 

@@ -32,42 +32,52 @@ SHAPES = [(9, 3, 64, 37), (4, 4, 128, 0), (2, 1, 16, 300), (4, 2, 96, 5)]
 
 
 def make_case(parents, H, KV, D, prefix, seed, extra=3):
-    """Queries as RoPE leaves them: a (T, H, D) buffer seen as (1, H, T, D); keys and values in a
-    cache buffer with spare rows past the tree, as `KVCache` holds them."""
+    """Queries and the tree's keys and values as RoPE leaves them, a (T, heads, D) buffer seen as
+    (1, heads, T, D) (`tk_buffer`, `tv_buffer`); the cache's keys and values in a buffer with
+    spare rows past the prefix (stale rows, which no node may see), as `KVCache` holds them."""
     rng = np.random.default_rng(seed)
     T = len(parents)
     q_buffer = rng.standard_normal((T, H, D)).astype(np.float32)
     k = rng.standard_normal((1, KV, prefix + T + extra, D)).astype(np.float32)
     v = rng.standard_normal((1, KV, prefix + T + extra, D)).astype(np.float32)
-    return q_buffer, k, v
+    tk_buffer = rng.standard_normal((T, KV, D)).astype(np.float32)
+    tv_buffer = rng.standard_normal((T, KV, D)).astype(np.float32)
+    return q_buffer, k, v, tk_buffer, tv_buffer
 
 
-def numpy_attention(q, k, v, parents, prefix, scale):
-    """float64: node t attends to rows 0..prefix-1 and prefix + (t and its ancestors)."""
+def seen(buffer):
+    """A (T, heads, D) buffer as the (1, heads, T, D) array the kernel reads."""
+    return buffer.transpose(1, 0, 2)[None]
+
+
+def numpy_attention(q, k, v, tk, tv, parents, prefix, scale):
+    """float64: node t attends to cache rows 0..prefix-1 and to the tree rows of t and its ancestors."""
     _, H, T, D = q.shape
     R = H // k.shape[1]
     out = np.zeros((1, T, H, D))
     for t in range(T):
-        rows, n = list(range(prefix)), t
+        nodes, n = [], t
         while n >= 0:
-            rows.append(prefix + n)
+            nodes.append(n)
             n = parents[n]
         for h in range(H):
-            s = k[0, h // R, rows].astype(np.float64) @ q[0, h, t] * scale
+            keys = np.concatenate([k[0, h // R, :prefix], tk[0, h // R, nodes]]).astype(np.float64)
+            values = np.concatenate([v[0, h // R, :prefix], tv[0, h // R, nodes]])
+            s = keys @ q[0, h, t] * scale
             p = np.exp(s - s.max())
-            out[0, t, h] = (p / p.sum()) @ v[0, h // R, rows]
+            out[0, t, h] = (p / p.sum()) @ values
     return out
 
 
 def test_reference_matches_numpy():
     for name, parents in TREES.items():
         for i, (H, KV, D, prefix) in enumerate(SHAPES):
-            q_buffer, k, v = make_case(parents, H, KV, D, prefix, seed=i)
-            q = q_buffer.transpose(1, 0, 2)[None]
+            q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=i)
+            q, tk, tv = seen(q_buffer), seen(tk_buffer), seen(tv_buffer)
             with mx.stream(mx.cpu):  # exact float32: MLX's CUDA backend multiplies float32 in TF32
                 visible = mx.array(ancestor_mask(parents))
-                got = tree_attention_ref(mx.array(q), mx.array(k), mx.array(v), visible, prefix, D**-0.5)
-            want = numpy_attention(q, k, v, parents, prefix, D**-0.5)
+                got = tree_attention_ref(*map(mx.array, (q, k, v, tk, tv)), visible, prefix, D**-0.5)
+            want = numpy_attention(q, k, v, tk, tv, parents, prefix, D**-0.5)
             np.testing.assert_allclose(np.array(got), want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
 
 
@@ -80,7 +90,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
     for i, (name, (H, KV, D, prefix)) in enumerate(cases):
         parents = TREES[name]
         T = len(parents)
-        q_buffer, k, v = make_case(parents, H, KV, D, prefix, seed=10 + i)
+        q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=10 + i)
         S = k.shape[2]
         lanes = -(-D // 32)
         warps = max(4, lanes)
@@ -90,6 +100,8 @@ def test_cuda_body_on_the_cpu_matches_numpy():
                 ("q", q_buffer, (T * H * D, D, H * D, 1)),  # (1, H, T, D) over a (T, H, D) buffer
                 ("k", k, (KV * S * D, S * D, D, 1)),
                 ("v", v, (KV * S * D, S * D, D, 1)),
+                ("tk", tk_buffer, (T * KV * D, D, KV * D, 1)),  # (1, KV, T, D) over a (T, KV, D) buffer
+                ("tv", tv_buffer, (T * KV * D, D, KV * D, 1)),
                 ("parents", np.array(parents, np.int32), None),
                 ("prefix", np.array([prefix], np.int32), None),
                 ("scale", np.array([D**-0.5], np.float32), None),
@@ -99,7 +111,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
             blocks=T * H,
             threads=warps * 32,
         )
-        want = numpy_attention(q_buffer.transpose(1, 0, 2)[None], k, v, parents, prefix, D**-0.5)
+        want = numpy_attention(seen(q_buffer), k, v, seen(tk_buffer), seen(tv_buffer), parents, prefix, D**-0.5)
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
 
 
@@ -112,16 +124,16 @@ def check_parity(backend, dtype):
     worst = 0.0
     for name, parents in TREES.items():
         for i, (H, KV, D, prefix) in enumerate(SHAPES):
-            q_buffer, k, v = make_case(parents, H, KV, D, prefix, seed=i)
+            q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=i)
             with mx.stream(mx.gpu):
-                q = mx.array(q_buffer).astype(dtype).swapaxes(0, 1)[None]  # strided, as after RoPE
+                # strided, as after RoPE; the cache's whole buffer, stale rows included
+                q, tk, tv = (mx.array(b).astype(dtype).swapaxes(0, 1)[None] for b in (q_buffer, tk_buffer, tv_buffer))
                 keys, values = mx.array(k).astype(dtype), mx.array(v).astype(dtype)
-                n = prefix + len(parents)
-                got = tree_attention(q, keys[..., :n, :], values[..., :n, :], mx.array(parents, mx.int32),
+                got = tree_attention(q, keys, values, tk, tv, mx.array(parents, mx.int32),
                                      mx.array([prefix], mx.int32), mx.array([D**-0.5], mx.float32), backend=backend)
             with mx.stream(mx.cpu):  # exact float32: MLX's CUDA backend multiplies float32 in TF32
-                q, keys, values = (mx.array(np.array(a)) for a in (q, keys, values))
-                want = tree_attention_ref(q, keys, values, mx.array(ancestor_mask(parents)), prefix, D**-0.5)
+                arrays = (mx.array(np.array(a)) for a in (q, keys, values, tk, tv))
+                want = tree_attention_ref(*arrays, mx.array(ancestor_mask(parents)), prefix, D**-0.5)
             got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
             np.testing.assert_allclose(got, want, atol=PARITY_TOL[dtype], err_msg=f"{dtype} {name} {H}/{KV} heads, D={D}, prefix {prefix}")
             worst = max(worst, float(np.abs(got - want).max()))

@@ -76,7 +76,7 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, tree=None) -> mx.array:
         """With `tree` (a `mlx_hybrid.speculative.tree.Tree`), x holds candidate-tree nodes: each
         sees the cache and its ancestors, at position (cache offset or `tree.pos`) + depth, and
-        its keys/values wait in the cache for `accept` (see `KVCache.write_tree`)."""
+        its keys/values wait beside the cache for `accept` (see `KVCache.hold_tree`)."""
         B, L, _ = x.shape
         qkv = self.qkv_proj(x)
         heads = [self.n_heads, self.n_heads + self.n_kv_heads]
@@ -94,12 +94,14 @@ class Attention(nn.Module):
         positions = tree.once(("positions", tree.host_offset(cache.offset)), lambda: pos + depths)
         q = apply_rope_at(q, self._freqs, positions).transpose(2, 1, 0, 3)
         k = apply_rope_at(k, self._freqs, positions).transpose(2, 1, 0, 3)
-        keys, values, row = cache.write_tree(k, v.transpose(2, 1, 0, 3), pos, bound)
+        v = v.transpose(2, 1, 0, 3)
+        keys, values, row = cache.hold_tree(k, v, pos, bound)
         if backend := tree_kernel(q, keys, cache.window):
             parents = tree.once("parents", tree.parent_array)
-            out = tree_attention(q, keys, values, parents, row, self._scale, backend=backend)
+            out = tree_attention(q, keys, values, k, v, parents, row, self._scale, backend=backend)
         else:
             mask = cache.tree_mask(tree, row, depths)
+            keys, values = mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
         return self.o_proj(out.reshape(B, L, -1))
 

@@ -154,7 +154,7 @@ def _greedy_passes(model: nn.Module, proposer, cache: list, root: int, hidden: m
             bound = cache[0].offset + (behind[2] if behind else 0)  # the unread pass kept at most its width
             logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree.at(pos, bound))
             info, last = accept.greedy_rows(draft, logits[0])
-            accept_on_device(cache, mx.maximum(info[2 : 2 + width], 0), last)
+            accept_on_device(cache, info[2 : 2 + width], last)
             pos = pos + info[:1] + 1
             draft = proposer.draft(info[1:2], hiddens[0, last])
             mx.async_eval(info, pos, draft.arrays(), [c.state for c in cache])
