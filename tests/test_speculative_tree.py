@@ -271,6 +271,17 @@ def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
     assert cache.values[0, 0, 248:256, 2].tolist() == [1248, 1249, 1300, 1302, 1305, 1400, 1401, 1404]
 
 
+def test_kv_cache_accept_on_device_keeps_a_whole_chain():
+    """Every node on the path (a chain accepted to its end): no row is left for the nodes off it."""
+    cache = KVCache()
+    cache.update_and_fetch(kv_rows(0, 3), kv_rows(100, 103))
+    cache.hold_tree(kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
+    accept_on_device([cache], mx.array([0, 1, 2, 3], mx.int32), mx.array(3))
+    cache.advance(4)
+    assert cache.keys[0, 0, :7, 0].tolist() == [0, 1, 2, 10, 11, 12, 13]
+    assert cache.values[0, 1, :7, 1].tolist() == [100, 101, 102, 110, 111, 112, 113]
+
+
 def test_tree_mask_sees_the_prefix_and_the_ancestors():
     """The mask over the whole buffer and then the tree's own rows, for a tree held at a device
     position, with a window."""
