@@ -78,8 +78,8 @@ def kv_rows(chunks: list[int], window: int | None = None) -> int:
     offset = start = capacity = 0
     for n in chunks:
         if window is not None and offset - window + 1 - start >= STEP:
-            capacity = window - 1  # `_drop_unreachable` keeps the rows a future query can see
-            start = offset - capacity
+            drop = offset - window + 1 - start  # `_drop_unreachable`: rows no future query can see
+            capacity, start = capacity - drop, start + drop
         size = offset - start
         if size + n > capacity:
             capacity = (size + n + STEP - 1) // STEP * STEP

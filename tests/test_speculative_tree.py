@@ -282,6 +282,25 @@ def test_kv_cache_accept_on_device_keeps_a_whole_chain():
     assert cache.values[0, 1, :7, 1].tolist() == [100, 101, 102, 110, 111, 112, 113]
 
 
+def test_kv_cache_sliding_window_keeps_a_path_the_host_has_not_read():
+    """Dropping the rows no query can reach (a sliding window) while a path is queued past the
+    host's offset keeps that path: passes A, B, C as the greedy loop queues them."""
+    cache = KVCache(window=8)
+    cache.update_and_fetch(kv_rows(0, 262), kv_rows(1000, 1262))
+    pos = mx.array([262], mx.int32)
+    for tokens, nodes, host in ((kv_rows(500, 502), [0, 1], 262), (kv_rows(600, 603), [0, 1, 2], 262), (kv_rows(700, 701), [0], 264)):
+        if host == 264:
+            cache.advance(2)  # the host reads A; B's rows lie past its offset when C drops rows
+        cache.hold_tree(tokens, tokens + 1000, pos, host + len(nodes))
+        accept_on_device([cache], mx.array(nodes, mx.int32), mx.array(nodes[-1]))
+        pos = pos + len(nodes)
+    cache.advance(3)
+    cache.advance(1)
+    assert cache.start == 257 and cache.offset == 268
+    assert cache.keys[0, 0, : cache.size, 0].tolist() == [257, 258, 259, 260, 261, 500, 501, 600, 601, 602, 700]
+    assert cache.values[0, 1, : cache.size, 3].tolist() == [1257, 1258, 1259, 1260, 1261, 1500, 1501, 1600, 1601, 1602, 1700]
+
+
 def test_tree_mask_sees_the_prefix_and_the_ancestors():
     """The mask over the whole buffer and then the tree's own rows, for a tree held at a device
     position, with a window."""
