@@ -4,8 +4,8 @@ chain and as a binary tree (per-node positions), each through the tree-attention
 the device has one) and through MLX's attention with a mask (causal, or an array for the tree),
 MLX's attention alone with each kind of mask (30 calls), single ops (a chain of 200 on a
 576-wide activation), each proposer's draft compiled (as the
-loop runs it) and eager, a verification with device-side acceptance, the KV rows moved after
-accepting a prefix of the nodes vs another path, and, as the loops run them (host and device
+loop runs it) and eager, a verification with device-side acceptance, the accepted path's KV
+rows written when it is a prefix of the nodes vs another path, and, as the loops run them (host and device
 overlapped), a plain decode step and a greedy pass of each method.
 
 A model directory with its medusa/ and/or redrafter/ (the default hybrid, a converted target), or
