@@ -7,6 +7,11 @@ from importlib import resources
 import pytest
 
 SHARED = [("expf(", "metal::exp("), ("logf(", "metal::log(")]
+SMALL_MATMUL = [
+    ("(blockIdx.x * blockDim.x + threadIdx.x)", "thread_position_in_grid.x"),
+    ("threadIdx.x", "thread_position_in_threadgroup.x"),
+    ("for (int o = 16; o > 0; o /= 2) { s += __shfl_xor_sync(0xffffffff, s, o); }", "s = simd_sum(s);"),
+]
 SPELLINGS = {
     "pack_beams": [
         ("threadIdx.x", "thread_position_in_threadgroup.x"),
@@ -33,6 +38,8 @@ SPELLINGS = {
         ("__shared__ ", "threadgroup "),
         ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
     ],
+    "small_qmatmul": SMALL_MATMUL,
+    "small_matmul": SMALL_MATMUL,
     "tree_attention": [
         ("blockIdx.x", "threadgroup_position_in_grid.x"),
         ("threadIdx.x", "thread_position_in_threadgroup.x"),
