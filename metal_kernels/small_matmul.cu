@@ -7,11 +7,12 @@
 // Each simdgroup of 32 threads takes C consecutive output columns for all M rows: lane l reads
 // elements [k, k+4) of those columns' weight rows and of every x row, for k = 4l, 4l + 128, ...,
 // (coalesced), keeps M*C partial sums in registers, and sums each across the lanes at the end.
-// Inputs x (M, K), w (N, K), both row-major, K a multiple of 4. Output y (M, N).
+// Inputs x (..., K) with M rows in all, w (N, K), both row-major, K a multiple of 4. Output y
+// (..., N).
 // Template: T, M, C (columns per simdgroup).
 const int lane = threadIdx.x % 32;
 const int col = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * C;
-const int K = x_shape[1];
+const int K = w_shape[1];
 const int N = w_shape[0];
 float acc[M][C];
 for (int m = 0; m < M; ++m) {

@@ -4,11 +4,12 @@
 // scale * q + bias, q the BITS-bit field at bit (k * BITS) of its row's packed words, scale and
 // bias its group's (GS consecutive k). Lane l dequantizes elements [k, k+8) of its C columns, for
 // k = 8l, 8l + 256, ... (8 | GS, so they share a group), and sums as small_matmul does.
-// Inputs x (M, K), w (N, K * BITS / 32) uint32, scales, biases (N, K / GS), all row-major, with
-// BITS dividing 32 and K a multiple of GS. Output y (M, N). Template: T, M, C, BITS, GS.
+// Inputs x (..., K) with M rows in all, w (N, K * BITS / 32) uint32, scales, biases (N, K / GS),
+// all row-major, with BITS dividing 32 and K a multiple of GS. Output y (..., N). Template: T, M,
+// C, BITS, GS.
 const int lane = threadIdx.x % 32;
 const int col = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * C;
-const int K = x_shape[1];
+const int K = scales_shape[1] * GS;
 const int N = scales_shape[0];
 const int words = K * BITS / 32;
 const int groups = K / GS;
