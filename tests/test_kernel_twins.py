@@ -7,6 +7,14 @@ from importlib import resources
 import pytest
 
 SHARED = [("expf(", "metal::exp("), ("logf(", "metal::log(")]
+BEAM_TOPK = [
+    ("threadIdx.x", "thread_position_in_threadgroup.x"),
+    ("blockIdx.x", "threadgroup_position_in_grid.x"),
+    ("blockIdx.y", "threadgroup_position_in_grid.y"),
+    ("__shared__ ", "threadgroup "),
+    ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
+    ("fmaxf(", "metal::max("),
+]
 SMALL_MATMUL = [
     ("(blockIdx.x * blockDim.x + threadIdx.x)", "thread_position_in_grid.x"),
     ("threadIdx.x", "thread_position_in_threadgroup.x"),
@@ -26,13 +34,8 @@ SPELLINGS = {
         ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
         ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
     ],
-    "beam_topk": [
-        ("threadIdx.x", "thread_position_in_threadgroup.x"),
-        ("blockIdx.x", "threadgroup_position_in_grid.x"),
-        ("__shared__ ", "threadgroup "),
-        ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
-        ("fmaxf(", "metal::max("),
-    ],
+    "beam_topk_chunks": BEAM_TOPK,
+    "beam_topk_merge": BEAM_TOPK,
     "greedy_accept": [
         ("threadIdx.x", "thread_position_in_threadgroup.x"),
         ("__shared__ ", "threadgroup "),

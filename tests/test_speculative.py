@@ -531,7 +531,7 @@ def emulate_gpu_kernels(monkeypatch):
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA bodies cannot be run on the CPU")
 @pytest.mark.parametrize("kind,method", [("llama", "medusa"), ("llama", "redrafter"), ("hybrid", "redrafter")])
 def test_greedy_on_emulated_gpu_kernels_equals_plain_greedy(target, tmp_path, monkeypatch, kind, method):
-    """The GPU path end to end, on any machine: tree attention, the tree `ssm_step`, `beam_topk`,
+    """The GPU path end to end, on any machine: tree attention, the tree `ssm_step`, `beam_topk_*`,
     `pack_beams` and `greedy_accept` all run as kernels (emulated), on a Llama and on a hybrid
     target (attention, Mamba, Mamba2); the tokens must be plain greedy decoding's."""
     if kind == "llama":

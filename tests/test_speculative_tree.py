@@ -175,7 +175,10 @@ def test_pack_beams_kernel_matches_reference(backend, monkeypatch):
 
 # (batch, beams so far, vocabulary, k): the first step (one beam), vocabularies not a multiple of
 # the 128 threads, k = 16 (the kernel's most), k = beams x vocabulary (everything kept).
-BEAM_STEPS = [(1, 1, 300, 4), (2, 4, 300, 4), (1, 4, 1000, 8), (3, 3, 50, 3), (1, 8, 129, 16), (2, 1, 3, 3)]
+# (batch, beams, vocabulary, k): vocabularies of one chunk (2048 logits) and of several, one ending
+# inside its last chunk and one a whole number of chunks.
+BEAM_STEPS = [(1, 1, 300, 4), (2, 4, 300, 4), (1, 4, 5000, 8), (3, 3, 50, 3), (1, 8, 129, 16), (2, 1, 3, 3),
+              (2, 2, 4096, 4)]
 
 
 def beam_step_case(batch, beams, vocab, seed):
@@ -193,8 +196,9 @@ def check_beam_step(got, want, case):
 
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
 def test_beam_topk_cuda_body_on_the_cpu_matches_reference(monkeypatch):
-    """The beam-step kernel's CUDA body (tests/cuda_emulator.py) against `beam_step_ref`: the
-    log-normalizer merged across threads, each thread's sorted candidates, the pairwise merge."""
+    """The beam-step kernels' CUDA bodies (tests/cuda_emulator.py) against `beam_step_ref`: the
+    log-normalizer merged across threads and chunks, each thread's sorted candidates, the
+    pairwise merges."""
     from mlx_hybrid.speculative import topk
 
     emulate(monkeypatch, topk)
@@ -203,12 +207,14 @@ def test_beam_topk_cuda_body_on_the_cpu_matches_reference(monkeypatch):
         check_beam_step(topk.beam_step(logits, scores, k), topk.beam_step_ref(logits, scores, k),
                         f"batch {batch}, {beams} beams, vocabulary {vocab}, k {k}")
     # Ties go to the lower beam x vocabulary index: integer logits (equal scores within a beam, kept
-    # apart in the merge), and ten equal best tokens all in thread 0's stride (kept apart in one
-    # thread's list).
+    # apart in the merges, in one chunk and across chunks), and ten equal best tokens all in
+    # thread 0's stride (kept apart in one thread's list).
     rng = np.random.default_rng(3)
     one_thread = np.zeros((1, 1, 1280), np.float32)
     one_thread[0, 0, ::128] = 2.0
-    for logits, scores in [(rng.integers(0, 3, (1, 3, 2000)).astype(np.float32), np.array([[-0.3, -1.7, -2.2]], np.float32)),
+    beams = np.array([[-0.3, -1.7, -2.2]], np.float32)
+    for logits, scores in [(rng.integers(0, 3, (1, 3, 2000)).astype(np.float32), beams),
+                           (rng.integers(0, 3, (1, 3, 5000)).astype(np.float32), beams),  # across chunks
                            (one_thread, np.zeros((1, 1), np.float32))]:
         origin, token, _ = topk.beam_step(mx.array(logits), mx.array(scores), 8)
         V = logits.shape[2]
