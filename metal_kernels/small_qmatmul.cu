@@ -5,16 +5,17 @@
 // bias its group's (GS consecutive k). Lane l dequantizes elements [k, k+8) of its C columns, for
 // k = 8l, 8l + 256, ... (8 | GS, so they share a group), and sums as small_matmul does.
 // Inputs x (..., K) with M rows in all, w (N, K * BITS / 32) uint32, scales, biases (N, K / GS),
-// all row-major, with BITS dividing 32 and K a multiple of GS. Output y (..., N). Template: T, M,
-// C, BITS, GS.
+// all row-major, with BITS dividing 32 and K a multiple of GS; rows (1,) int32, M. Output y
+// (..., N). Template: T, MT, C as small_matmul's, BITS, GS.
 const int lane = threadIdx.x % 32;
 const int col = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * C;
 const int K = scales_shape[1] * GS;
 const int N = scales_shape[0];
 const int words = K * BITS / 32;
 const int groups = K / GS;
-float acc[M][C];
-for (int m = 0; m < M; ++m) {
+const int M = rows[0];
+float acc[MT][C];
+for (int m = 0; m < MT; ++m) {
   for (int c = 0; c < C; ++c) {
     acc[m][c] = 0.0f;
   }
@@ -32,7 +33,10 @@ for (int k = lane * 8; k < K; k += 256) {
       wv[c][e] = s * static_cast<float>((word >> (bit % 32)) & ((1u << BITS) - 1u)) + b;
     }
   }
-  for (int m = 0; m < M; ++m) {
+  for (int m = 0; m < MT; ++m) {
+    if (m >= M) {
+      break;
+    }
     float xv[8];
     for (int e = 0; e < 8; ++e) {
       xv[e] = static_cast<float>(x[(int64_t)m * K + k + e]);
@@ -46,7 +50,10 @@ for (int k = lane * 8; k < K; k += 256) {
     }
   }
 }
-for (int m = 0; m < M; ++m) {
+for (int m = 0; m < MT; ++m) {
+  if (m >= M) {
+    break;
+  }
   for (int c = 0; c < C; ++c) {
     float s = acc[m][c];
     for (int o = 16; o > 0; o /= 2) { s += __shfl_xor_sync(0xffffffff, s, o); }

@@ -1,4 +1,5 @@
-"""Linear layers over the few rows of a verification pass (2 to `MAX_ROWS` candidate tokens).
+"""Linear layers over a few rows (2 to `MAX_ROWS`): a verification pass's candidate tokens, a
+ReDrafter step's beams, a short prompt.
 
 On a GPU, MLX multiplies one row by a matrix with a matrix-vector kernel, but a few rows through a
 general matmul (cuBLAS on MLX's CUDA backend) whose launch takes two to three times as long
@@ -9,6 +10,8 @@ then cost more than the whole decode step they replace. `small_matmul` is one pl
 slow on the GPU as well. Their references are MLX's `x @ w.T` and `mx.quantized_matmul`.
 """
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -17,18 +20,24 @@ from mlx_hybrid.kernels import kernel_backend, load_kernel
 MAX_ROWS = 64  # a Medusa tree's nodes; past this the rows' partial sums outgrow the registers
 
 
+@functools.cache
+def _rows(m: int) -> mx.array:
+    return mx.array([m], mx.int32)
+
+
 def _launch(name: str, inputs: list, N: int, template: list, backend: str) -> mx.array:
     """y (..., N) for x (..., K), inputs[0]: no reshape (each would be one more op in a pass)."""
     x = inputs[0]
     M = x.size // x.shape[-1]
-    C = 4 if M <= 16 else 2 if M <= 32 else 1  # columns per simdgroup: M * C partial sums a thread
-    names = ("x", "w", "scales", "biases")[: len(inputs)]
+    MT = max(4, 1 << (M - 1).bit_length())  # compiled per power of two, not per row count
+    C = 4 if MT <= 16 else 2 if MT <= 32 else 1  # columns per simdgroup: MT * C partial sums a thread
+    names = ("x", "w", "scales", "biases")[: len(inputs)] + ("rows",)
     kernel = load_kernel(backend, name, names, ("y",))
     warps = 4
     simdgroups = -(-N // C)
     (y,) = kernel(
-        inputs=inputs,
-        template=[("T", x.dtype), ("M", M), ("C", C), *template],
+        inputs=[*inputs, _rows(M)],
+        template=[("T", x.dtype), ("MT", MT), ("C", C), *template],
         grid=(-(-simdgroups // warps) * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], N)],

@@ -155,3 +155,22 @@ def test_verification_pass_through_the_kernels_matches_mlx(tmp_path, monkeypatch
     # (its out_proj takes a kernel where the fused ssm_step runs, on a GPU)
     assert len(launches) == (4 * len(model.layers) if kind != "hybrid" else 4 + 2 + 1)
     np.testing.assert_allclose(got, reference, atol=1e-4 * np.abs(reference).max())
+
+
+def test_row_counts_share_a_few_compiled_variants(monkeypatch):
+    """A kernel is compiled per template, so rows are rounded up to a power of two: a prompt of any
+    length up to MAX_ROWS reuses one of five variants instead of compiling its own."""
+    seen = set()
+
+    def stub(*_, **__):
+        def launch(*, inputs, template, output_shapes, output_dtypes, **___):
+            seen.add(dict(template)["MT"])
+            assert int(inputs[-1][0]) == inputs[0].size // inputs[0].shape[-1]  # the true row count
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(small_matmul, "load_kernel", stub)
+    w = mx.zeros((8, 16))
+    for rows in range(2, MAX_ROWS + 1):
+        small_matmul.small_matmul(mx.zeros((1, rows, 16)), w, backend="cuda")
+    assert seen == {4, 8, 16, 32, 64}
