@@ -92,10 +92,9 @@ def test_quantized_kernel_matches_reference(backend, dtype):
         np.testing.assert_allclose(got, want, atol=PARITY_RTOL[dtype] * scale, err_msg=f"{dtype} {bits}-bit {M}x{K} @ ({N}x{K}).T")
 
 
-@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
-def test_linear_takes_the_kernel_for_a_few_rows(monkeypatch):
-    """Layers over 2..MAX_ROWS rows go through a kernel (bias added after it), a 4-bit one too;
-    one row, more rows, 3-bit weights and weights of another dtype keep MLX's product."""
+def emulate_counting(monkeypatch) -> list:
+    """Send `linear` down its GPU path with the kernels emulated; returns the list their launches
+    append to."""
     launches = []
 
     def counted(*args, **kwargs):
@@ -104,6 +103,14 @@ def test_linear_takes_the_kernel_for_a_few_rows(monkeypatch):
 
     monkeypatch.setattr(small_matmul, "load_kernel", counted)
     monkeypatch.setattr(small_matmul, "kernel_backend", lambda: "cuda")
+    return launches
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
+def test_linear_takes_the_kernel_for_a_few_rows(monkeypatch):
+    """Layers over 2..MAX_ROWS rows go through a kernel (bias added after it), a 4-bit one too;
+    one row, more rows, 3-bit weights and weights of another dtype keep MLX's product."""
+    launches = emulate_counting(monkeypatch)
     mx.random.seed(0)
     layer = nn.Linear(24, 10, bias=True)
     for shape in [(1, 3, 24), (2, 24), (1, MAX_ROWS, 24)]:
@@ -142,14 +149,7 @@ def test_verification_pass_through_the_kernels_matches_mlx(tmp_path, monkeypatch
         return np.array(model(tokens, cache, tree=Tree.from_parents(parents)))
 
     reference = verify()
-    launches = []
-
-    def counted(*args, **kwargs):
-        kernel = cuda_emulator.load_kernel(*args, **kwargs)
-        return lambda **kw: launches.append(1) or kernel(**kw)
-
-    monkeypatch.setattr(small_matmul, "load_kernel", counted)
-    monkeypatch.setattr(small_matmul, "kernel_backend", lambda: "cuda")
+    launches = emulate_counting(monkeypatch)
     got = verify()
     # 4 a Llama layer; the hybrid: its attention layer's 4, the Mamba2 layer's MLP (2) and in_proj
     # (its out_proj takes a kernel where the fused ssm_step runs, on a GPU)
