@@ -243,7 +243,9 @@ class Mamba(nn.Module):
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
         if (u.shape[1] == 1 or tree is not None) and (backend := kernel_backend()):
             proj = linear(self.in_proj, u)
-            dt = linear(self.dt_proj, proj[..., -self.dt_rank :])  # the bias is added again in the kernel
+            # The bias is added again in the kernel; a strided slice stays on MLX's matmul (the small
+            # matmuls would copy it first).
+            dt = self.dt_proj(proj[..., -self.dt_rank :])
             d_xb, d_inner = self.d_xb, self.d_inner
             y, window, state = ssm_step(
                 proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state, _parents(tree),

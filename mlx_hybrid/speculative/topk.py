@@ -5,7 +5,8 @@ per drafted token, and Medusa takes each head's best tokens as a one-beam step p
 `beam_step` is two kernel launches instead of ~14 small ops: many threadgroups each take a chunk
 of a beam's logits (metal_kernels/beam_topk_chunks.cu), then one per sequence merges the chunks
 (beam_topk_merge.cu). A threadgroup per sequence alone read 4 x 49152 logits with one SM's worth
-of threads and took about 1 ms a step on an H100 (most of a ReDrafter draft).
+of threads, latency-bound: by the H100's draft timings, most of a 3.5 ms ReDrafter draft
+(benchmarks/README.md, "The beam step on one SM").
 """
 
 import mlx.core as mx
