@@ -38,6 +38,7 @@ from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 from mlx_hybrid import small_matmul as smm
+import contextlib
 
 d = Path(sys.argv[1])
 if not (d / "config.json").is_file():  # a synthetic target, with untrained heads beside it
@@ -49,6 +50,15 @@ if len(sys.argv) > 2:  # a quantized target, as `hybrid convert` writes by defau
     nn.quantize(model, 64, int(sys.argv[2]))
 rng = np.random.default_rng(0)
 V = model.args.vocab_size
+
+@contextlib.contextmanager
+def mlx_projections():
+    """The projections on MLX's matmuls instead of the small-matmul kernels."""
+    rows, smm.MAX_ROWS = smm.MAX_ROWS, 1
+    try:
+        yield
+    finally:
+        smm.MAX_ROWS = rows
 
 def ms(fn, reps=20):
     for _ in range(3): fn()
@@ -74,9 +84,8 @@ with mx.stream(generation_stream):
         for shape, tree in (("chain", Tree.chain(T)), ("tree", Tree.from_parents(par))):
             if kernel_backend():
                 out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
-                smm.MAX_ROWS = 1  # the projections on MLX's matmuls
-                out[f"T{T}_{shape}_kernel_mlx_projections"] = ms(fwd(toks, tree))
-                smm.MAX_ROWS = 64
+                with mlx_projections():
+                    out[f"T{T}_{shape}_kernel_mlx_projections"] = ms(fwd(toks, tree))
             kernel, llama.tree_kernel = llama.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
             llama.tree_kernel = kernel
@@ -144,10 +153,9 @@ with mx.stream(generation_stream):
         out[f"{method}_pass_pipelined"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
         trim_cache(cache, cache[0].offset - 256)
         if kernel_backend():
-            smm.MAX_ROWS = 1
-            out[f"{method}_pass_pipelined_mlx_projections"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
+            with mlx_projections():
+                out[f"{method}_pass_pipelined_mlx_projections"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
             trim_cache(cache, cache[0].offset - 256)
-            smm.MAX_ROWS = 64
     for method in methods:
         p = load_proposer(method, model, d)
         root = mx.array([7], mx.int32)

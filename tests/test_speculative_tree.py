@@ -174,9 +174,8 @@ def test_pack_beams_kernel_matches_reference(backend, monkeypatch):
 
 
 # (batch, beams so far, vocabulary, k): the first step (one beam), vocabularies not a multiple of
-# the 128 threads, k = 16 (the kernel's most), k = beams x vocabulary (everything kept).
-# (batch, beams, vocabulary, k): vocabularies of one chunk (2048 logits) and of several, one ending
-# inside its last chunk and one a whole number of chunks.
+# the 128 threads, k = 16 (the kernels' most), k = beams x vocabulary (everything kept), and
+# vocabularies of several 2048-logit chunks, one ending inside its last chunk, one a whole number.
 BEAM_STEPS = [(1, 1, 300, 4), (2, 4, 300, 4), (1, 4, 5000, 8), (3, 3, 50, 3), (1, 8, 129, 16), (2, 1, 3, 3),
               (2, 2, 4096, 4)]
 
