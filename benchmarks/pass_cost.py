@@ -1,14 +1,12 @@
 #!/usr/bin/env python
 """Where a speculative pass spends its time: forward passes over 1, 8, 17, 34 and 64 tokens as a
 chain and as a binary tree (per-node positions), each through the tree-attention kernel (where
-the device has one; with the projections through the small-matmul kernels, and on MLX's
-matmuls) and through MLX's attention with a mask (causal, or an array for the tree),
+the device has one) and through MLX's attention with a mask (causal, or an array for the tree),
 MLX's attention alone with each kind of mask (30 calls), single ops (a chain of 200 on a
-576-wide activation, the small-matmul kernels among them), each proposer's draft compiled (as the
+576-wide activation), each proposer's draft compiled (as the
 loop runs it) and eager, a verification with device-side acceptance, the accepted path's KV
 rows written when it is a prefix of the nodes vs another path, and, as the loops run them (host and device
-overlapped), a plain decode step and a greedy pass of each method (with the small-matmul kernels
-and without, on a GPU).
+overlapped), a plain decode step and a greedy pass of each method.
 
 A model directory with its medusa/ and/or redrafter/ (the default hybrid, a converted target), or
 a new directory: random weights in SmolLM2-135M's shape with untrained heads
@@ -37,8 +35,6 @@ from mlx_hybrid.cache import accept_path, trim_cache
 from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
-from mlx_hybrid import small_matmul as smm
-import contextlib
 
 d = Path(sys.argv[1])
 if not (d / "config.json").is_file():  # a synthetic target, with untrained heads beside it
@@ -50,15 +46,6 @@ if len(sys.argv) > 2:  # a quantized target, as `hybrid convert` writes by defau
     nn.quantize(model, 64, int(sys.argv[2]))
 rng = np.random.default_rng(0)
 V = model.args.vocab_size
-
-@contextlib.contextmanager
-def mlx_projections():
-    """The projections on MLX's matmuls instead of the small-matmul kernels."""
-    rows, smm.MAX_ROWS = smm.MAX_ROWS, 1
-    try:
-        yield
-    finally:
-        smm.MAX_ROWS = rows
 
 def ms(fn, reps=20):
     for _ in range(3): fn()
@@ -84,8 +71,6 @@ with mx.stream(generation_stream):
         for shape, tree in (("chain", Tree.chain(T)), ("tree", Tree.from_parents(par))):
             if kernel_backend():
                 out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
-                with mlx_projections():
-                    out[f"T{T}_{shape}_kernel_mlx_projections"] = ms(fwd(toks, tree))
             kernel, llama.tree_kernel = llama.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
             llama.tree_kernel = kernel
@@ -116,13 +101,9 @@ with mx.stream(generation_stream):
         "rms_norm": lambda x: mx.fast.rms_norm(x, None, 1e-5),
         "transpose": lambda x: x.T,  # a view: no data moves (what graph_ops.py counts apart)
     }
-    if backend := kernel_backend():
-        ops["small_matmul"] = lambda x: smm.small_matmul(x, W, backend=backend)
-        ops["small_qmatmul4"] = lambda x: smm.small_qmatmul(x, *q4, 64, 4, backend=backend)
     for name, op in ops.items():
         # Matmuls at every pass size: how a verification's cost grows with its candidates.
-        sizes = (8, 17, 34, 64) if name.startswith("small") else (1, 8, 17, 34, 64) if name in ("matmul", "qmm4") else (1, 34)
-        for T in sizes:
+        for T in (1, 8, 17, 34, 64) if name in ("matmul", "qmm4") else (1, 34):
             x = mx.random.normal((T, 576)).astype(mx.float16)
             mx.eval(x, W, q4, q8)
             def chain():
@@ -152,10 +133,6 @@ with mx.stream(generation_stream):
         p = load_proposer(method, model, d)
         out[f"{method}_pass_pipelined"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
         trim_cache(cache, cache[0].offset - 256)
-        if kernel_backend():
-            with mlx_projections():
-                out[f"{method}_pass_pipelined_mlx_projections"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
-            trim_cache(cache, cache[0].offset - 256)
     for method in methods:
         p = load_proposer(method, model, d)
         root = mx.array([7], mx.int32)

@@ -15,11 +15,6 @@ BEAM_TOPK = [
     ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
     ("fmaxf(", "metal::max("),
 ]
-SMALL_MATMUL = [
-    ("(blockIdx.x * blockDim.x + threadIdx.x)", "thread_position_in_grid.x"),
-    ("threadIdx.x", "thread_position_in_threadgroup.x"),
-    ("for (int o = 16; o > 0; o /= 2) { s += __shfl_xor_sync(0xffffffff, s, o); }", "s = simd_sum(s);"),
-]
 SPELLINGS = {
     "pack_beams": [
         ("threadIdx.x", "thread_position_in_threadgroup.x"),
@@ -41,8 +36,6 @@ SPELLINGS = {
         ("__shared__ ", "threadgroup "),
         ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
     ],
-    "small_qmatmul": SMALL_MATMUL,
-    "small_matmul": SMALL_MATMUL,
     "tree_attention": [
         ("blockIdx.x", "threadgroup_position_in_grid.x"),
         ("threadIdx.x", "thread_position_in_threadgroup.x"),

@@ -20,7 +20,6 @@ from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.scan import selective_scan, ssm_step
-from mlx_hybrid.small_matmul import linear
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
 LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")
@@ -242,17 +241,15 @@ class Mamba(nn.Module):
         """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
         if (u.shape[1] == 1 or tree is not None) and (backend := kernel_backend()):
-            proj = linear(self.in_proj, u)
-            # The bias is added again in the kernel; a strided slice stays on MLX's matmul (the small
-            # matmuls would copy it first).
-            dt = self.dt_proj(proj[..., -self.dt_rank :])
+            proj = self.in_proj(u)
+            dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
             d_xb, d_inner = self.d_xb, self.d_inner
             y, window, state = ssm_step(
                 proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state, _parents(tree),
                 mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
             )
             _advance(cache, window, state, tree)
-            return linear(self.out_proj, y)
+            return self.out_proj(y)
         x, z, Bm, Cm, dt = self.project(u)
         A = -mx.exp(self.A_log.astype(mx.float32)).T
         if tree is not None:
@@ -289,14 +286,14 @@ class Mamba2(nn.Module):
         B_, L, _ = u.shape
         n, r = self.d_state, self.repeats
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
-        proj = linear(self.in_proj, u)
+        proj = self.in_proj(u)
         if (L == 1 or tree is not None) and (backend := kernel_backend()):
             y, window, state = ssm_step(
                 proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
                 state, _parents(tree), mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
             )
             _advance(cache, window, state, tree)
-            return linear(self.out_proj, _head_rms_norm(y, self.norm.weight, n, self.eps))
+            return self.out_proj(_head_rms_norm(y, self.norm.weight, n, self.eps))
         z, xBC, dt = mx.split(proj, [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
         if tree is not None:
             xBC, window_after = self.conv1d.tree(xBC, window, tree)

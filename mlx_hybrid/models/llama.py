@@ -11,7 +11,6 @@ import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache
 from mlx_hybrid.rope import apply_rope, apply_rope_at, rope_frequencies
-from mlx_hybrid.small_matmul import linear
 from mlx_hybrid.tree_attention import tree_attention, tree_kernel
 
 
@@ -79,7 +78,7 @@ class Attention(nn.Module):
         sees the cache and its ancestors, at position (cache offset or `tree.pos`) + depth, and
         its keys/values wait beside the cache for `accept` (see `KVCache.hold_tree`)."""
         B, L, _ = x.shape
-        qkv = linear(self.qkv_proj, x)
+        qkv = self.qkv_proj(x)
         heads = [self.n_heads, self.n_heads + self.n_kv_heads]
         if tree is None:
             q, k, v = mx.split(qkv.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3), heads, axis=1)
@@ -87,7 +86,7 @@ class Attention(nn.Module):
             k = apply_rope(k, self._freqs, cache.offset)
             k, v = cache.update_and_fetch(k, v)
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=cache.make_mask(L))
-            return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         # A node per batch entry (B is 1), so that each gets its own position.
         q, k, v = mx.split(qkv.reshape(L, -1, 1, self.head_dim), heads, axis=1)
         pos, bound = tree.position(cache.offset)
@@ -104,7 +103,7 @@ class Attention(nn.Module):
             mask = cache.tree_mask(tree, row, depths)
             keys, values = mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
-        return linear(self.o_proj, out.reshape(B, L, -1))
+        return self.o_proj(out.reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -114,8 +113,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = mx.split(linear(self.gate_up_proj, x), 2, axis=-1)
-        return linear(self.down_proj, swiglu(gate, up))
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):

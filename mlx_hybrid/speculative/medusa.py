@@ -18,7 +18,6 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
-from mlx_hybrid.small_matmul import linear
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
@@ -49,7 +48,7 @@ class ResBlock(nn.Module):
         self.linear = nn.Linear(dims, dims)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x + nn.silu(linear(self.linear, x))
+        return x + nn.silu(self.linear(x))
 
 
 class MedusaHeads(nn.Module):

@@ -22,7 +22,6 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
-from mlx_hybrid.small_matmul import linear
 from mlx_hybrid.speculative.accept import Candidates, Draft, target_logprobs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
 from mlx_hybrid.speculative.medusa import ResBlock
@@ -62,16 +61,16 @@ class Drafter(nn.Module):
     def step(self, state: mx.array, embedding: mx.array) -> mx.array:
         """The RNN state after one more draft token."""
         if self.config.rnn:
-            return nn.silu(linear(self.rnn_w, embedding) + linear(self.rnn_u, state))
+            return nn.silu(self.rnn_w(embedding) + self.rnn_u(state))
         return state + embedding
 
     def logits(self, h: mx.array, state: mx.array) -> mx.array:
         x = mx.concatenate([mx.broadcast_to(h, state.shape), state], axis=-1)
         if "input_proj" in self:
-            x = linear(self.input_proj, x)
-        for block in self.lm_head[:-1]:
-            x = block(x)
-        return linear(self.lm_head[-1], x)
+            x = self.input_proj(x)
+        for layer in self.lm_head:
+            x = layer(x)
+        return x
 
     def beam_search(self, h: mx.array, roots: mx.array, embed: nn.Embedding, width: int, length: int) -> list[mx.array]:
         """Beam search from a batch of roots (B,) and hidden states h (B, hidden): the beams after
