@@ -1,5 +1,6 @@
 """Teachers: Hugging Face Llama/Mistral directories, or a GGUF file that transformers dequantizes."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -57,6 +58,11 @@ def gguf_to_hf(gguf: str | Path, out: str | Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    # The copied config still names the GGUF quantization; these weights are float, and converters
+    # (`hybrid convert`) refuse a directory that says it is quantized.
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     load_tokenizer(gguf).save_pretrained(tmp)
     tmp.rename(out)
     return out

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hybrid_train import shrink
 from hybrid_train.errors import TrainError
 from hybrid_train.model import hybrid_config
+from hybrid_train import teacher
 from hybrid_train.teacher import load_teacher, load_tokenizer
 
 TEXTS = SENTENCES + ["Zebras quietly x-ray 42 jugs!", "naïve café — über 😀"]
@@ -80,3 +81,20 @@ def test_a_gguf_teachers_quantization_config_is_not_exported(teacher_dir):
     model = load_teacher(teacher_dir)
     model.config.quantization_config = {"quant_method": "gguf"}
     assert "quantization_config" not in json.loads(json.dumps(hybrid_config(model)))
+
+
+def test_gguf_to_hf_writes_a_float_checkpoint(teacher_dir, tmp_path, monkeypatch):
+    """transformers marks a GGUF-loaded model quantized; the HF copy of its dequantized weights
+    must not say so (hybrid convert refuses quantized sources), and keeps the weights."""
+    from mlx_hybrid.convert.checkpoint import open_checkpoint
+
+    src = load_teacher(teacher_dir)
+    src.config.quantization_config = {"quant_method": "gguf"}
+    monkeypatch.setattr(teacher, "load_teacher", lambda path: src)
+    monkeypatch.setattr(teacher, "load_tokenizer", lambda path: load_tokenizer(teacher_dir))
+    out = teacher.gguf_to_hf(tmp_path / "model.gguf", tmp_path / "hf")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    open_checkpoint(out)
+    copy = load_teacher(out)
+    for name, value in src.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], value.float()), name
