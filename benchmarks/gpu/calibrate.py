@@ -1,0 +1,18 @@
+"""Calibrate /tmp/mt's Medusa tree (63 nodes) on 24 held-out chat questions of the heads run
+(not the benchmark's: benchmarks/chat_prompts.txt)."""
+import json
+from pathlib import Path
+
+from mlx_hybrid.chat import render_chat
+from mlx_hybrid.loader import load_model, load_tokenizer
+from mlx_hybrid.speculative.medusa import calibrate
+
+mt = Path("/tmp/mt")
+model, tokenizer = load_model(mt), load_tokenizer(mt)
+benchmark = {q.strip().lower() for q in Path("benchmarks/chat_prompts.txt").read_text().splitlines()}
+questions = [json.loads(line)["prompt"] for line in open("/tmp/heads/chat-heldout-prompts.jsonl")]
+questions = [q for q in questions if q.strip().lower() not in benchmark][:24]
+prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+r = calibrate(model, mt / "medusa", prompts, num_nodes=63)
+print(f"calibrated on {len(questions)} questions; top-1 per head {[round(a[0], 3) for a in r['head_accuracies']]}; "
+      f"expected tokens a pass {r['expected_length']:.3f}")
