@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.scan import selective_scan, ssm_step
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
@@ -225,12 +226,12 @@ class Mamba(nn.Module):
         self.repeats = args.d_inner // args.d_xb
         # in_proj fuses MambaInLlama's in_proj_x, in_proj_z, B_proj, C_proj and dt_proj_down.
         width = 2 * self.d_xb + 2 * self.d_inner + self.dt_rank
-        self.in_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.in_proj = Linear(args.hidden_size, width, bias=False)
         self.conv1d = CausalConv(self.d_inner, args.d_conv, args.conv_bias)
-        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.dt_proj = Linear(self.dt_rank, self.d_inner, bias=True)
         self.A_log = mx.zeros((self.d_inner, self.d_state))
         self.D = mx.ones((self.d_inner,))
-        self.out_proj = nn.Linear(self.d_inner, args.hidden_size, bias=False)
+        self.out_proj = Linear(self.d_inner, args.hidden_size, bias=False)
 
     def project(self, u: mx.array):
         """x, z, B, C, dt (pre-softplus) for input u, KV groups expanded (see the class docstring)."""
@@ -273,13 +274,13 @@ class Mamba2(nn.Module):
         self.nheads = args.d_inner // args.d_state
         self.repeats = args.d_inner // args.d_xb
         self.eps = 1e-5
-        self.in_proj = nn.Linear(args.hidden_size, 2 * self.d_inner + 2 * self.d_xb + self.nheads, bias=False)
+        self.in_proj = Linear(args.hidden_size, 2 * self.d_inner + 2 * self.d_xb + self.nheads, bias=False)
         self.conv1d = CausalConv(self.d_inner + 2 * self.d_xb, args.d_conv, args.conv_bias)
         self.dt_bias = mx.zeros((self.nheads,))
         self.A_log = mx.zeros((self.nheads,))
         self.D = mx.ones((self.nheads,))
         self.norm = nn.RMSNorm(self.d_inner)  # weight only: normalized per head below
-        self.out_proj = nn.Linear(self.d_inner, args.hidden_size, bias=False)
+        self.out_proj = Linear(self.d_inner, args.hidden_size, bias=False)
 
     def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
         """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
@@ -366,13 +367,13 @@ class DSLA(nn.Module):
         self.scale = self.head_dim**-0.5
         self.gate_norm = args.gate_norm
         qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, qkv, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
+        self.qkv_proj = Linear(args.hidden_size, qkv, bias=args.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
         width = self.n_heads * self.head_dim
-        self.gate1_down = nn.Linear(args.hidden_size, args.gate_rank, bias=False)
-        self.gate1_up = nn.Linear(args.gate_rank, width, bias=True)
-        self.gate2_down = nn.Linear(args.hidden_size, args.gate_rank, bias=False)
-        self.gate2_up = nn.Linear(args.gate_rank, width, bias=True)
+        self.gate1_down = Linear(args.hidden_size, args.gate_rank, bias=False)
+        self.gate1_up = Linear(args.gate_rank, width, bias=True)
+        self.gate2_down = Linear(args.hidden_size, args.gate_rank, bias=False)
+        self.gate2_up = Linear(args.gate_rank, width, bias=True)
         self.gamma = mx.array([0.5])
         self.o_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
 

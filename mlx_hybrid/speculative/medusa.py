@@ -18,6 +18,7 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
+from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
@@ -45,7 +46,7 @@ class MedusaConfig:
 class ResBlock(nn.Module):
     def __init__(self, dims: int):
         super().__init__()
-        self.linear = nn.Linear(dims, dims)
+        self.linear = Linear(dims, dims)
 
     def __call__(self, x: mx.array) -> mx.array:
         return x + nn.silu(self.linear(x))

@@ -22,6 +22,7 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
+from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.speculative.accept import Candidates, Draft, target_logprobs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
 from mlx_hybrid.speculative.medusa import ResBlock
@@ -50,13 +51,13 @@ class Drafter(nn.Module):
         self.config = config
         H, E = config.hidden_size, config.exit_dim
         if E != 2 * H:
-            self.input_proj = nn.Linear(2 * H, E)
+            self.input_proj = Linear(2 * H, E)
         self.lm_head = [ResBlock(E) for _ in range(config.num_draft_layers)] + [
             nn.Linear(E, config.vocab_size, bias=False)
         ]
         if config.rnn:
-            self.rnn_u = nn.Linear(H, H, bias=True)
-            self.rnn_w = nn.Linear(H, H, bias=False)
+            self.rnn_u = Linear(H, H, bias=True)
+            self.rnn_w = Linear(H, H, bias=False)
 
     def step(self, state: mx.array, embedding: mx.array) -> mx.array:
         """The RNN state after one more draft token."""
