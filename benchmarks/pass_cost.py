@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Where a speculative pass spends its time: forward passes over 1, 8, 17, 34 and 64 tokens as a
 chain and as a binary tree (per-node positions), each through the tree-attention kernel (where
-the device has one) and through MLX's attention with a mask (causal, or an array for the tree),
-MLX's attention alone with each kind of mask (30 calls), single ops (a chain of 200 on a
-576-wide activation), each proposer's draft compiled (as the
-loop runs it) and eager, a verification with device-side acceptance, the accepted path's KV
+the device has one; its projections as they run, all on MLX's matmul, all per row
+(mlx_hybrid/models/linear.py)) and through MLX's attention with a mask (causal, or an array for
+the tree), MLX's attention alone with each kind of mask (30 calls), single ops (a chain of 200 on
+a 576-wide activation), each proposer's draft compiled (as the loop runs it) and eager, a verification with device-side acceptance, the accepted path's KV
 rows written when it is a prefix of the nodes vs another path, and, as the loops run them (host and device
 overlapped), a plain decode step and a greedy pass of each method.
 
@@ -12,9 +12,11 @@ A model directory with its medusa/ and/or redrafter/ (the default hybrid, a conv
 a new directory: random weights in SmolLM2-135M's shape with untrained heads
 (benchmarks/speculative.py's). 256 context tokens, each timing the median of 20 synchronous runs
 (milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
-target as `hybrid convert` does by default. Prints JSON.
+target as `hybrid convert` does by default. Prints JSON. --passes: only the pipelined decode
+step and passes, for each variant of the pass (the per-row path's byte budget, the placed-tree
+pass compiled or eager), the variants interleaved in 3 rounds.
 
-    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS]
+    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes]
     python benchmarks/pass_cost.py mlx_hybrid/data/default
 """
 import sys, time, json
@@ -32,18 +34,20 @@ from mlx_hybrid.speculative.generate import _greedy_passes, load_proposer
 from mlx_hybrid.speculative import accept
 from mlx_hybrid.speculative.tree import Tree
 from mlx_hybrid.cache import accept_path, trim_cache
-from mlx_hybrid.models import llama
+from mlx_hybrid.models import linear, llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 
-d = Path(sys.argv[1])
+passes_only = "--passes" in sys.argv
+argv = [a for a in sys.argv if a != "--passes"]
+d = Path(argv[1])
 if not (d / "config.json").is_file():  # a synthetic target, with untrained heads beside it
     make_synthetic("smollm2-135m", d, seed=0)
     write_heads(d, load_model(d), 0, 2)
 model = load_model(d)
 methods = [m for m in ("medusa", "redrafter") if (d / m).is_dir()]
-if len(sys.argv) > 2:  # a quantized target, as `hybrid convert` writes by default
-    nn.quantize(model, 64, int(sys.argv[2]))
+if len(argv) > 2:  # a quantized target, as `hybrid convert` writes by default
+    nn.quantize(model, 64, int(argv[2]))
 rng = np.random.default_rng(0)
 V = model.args.vocab_size
 
@@ -58,6 +62,38 @@ out = {}
 with mx.stream(generation_stream):
     cache = model.make_cache()
     prefill(model, mx.array(rng.integers(0, V, 256)), cache)
+    # Decoding as the loops run it, host and device overlapped: plain decoding, and greedy passes
+    # queued one ahead of the host (per pass; the context grows by what each pass accepts).
+    def per_item(steps, n=40):
+        next(steps)
+        t = time.perf_counter()
+        for _ in range(n): next(steps)
+        dt = (time.perf_counter() - t) / n
+        steps.close()
+        return round(1000 * dt, 3)
+    trim_cache(cache, cache[0].offset - 256)
+    hidden = model(mx.array([[5]]), cache, return_hidden=True)[1][0, -1]
+    for c in cache: c.trim(1)
+    proposers = {method: load_proposer(method, model, d) for method in methods}
+    def pipelined(suffix=""):
+        out["decode_pipelined" + suffix] = median(per_item(generate_step(mx.array([5]), model, cache, lambda x: mx.argmax(x, -1), max_tokens=50)) for _ in range(3))
+        trim_cache(cache, cache[0].offset - 256)
+        for method, p in proposers.items():
+            out[f"{method}_pass_pipelined{suffix}"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
+            trim_cache(cache, cache[0].offset - 256)
+    # The pass's variants, interleaved in rounds: the projections' per-row path under each byte
+    # budget (0: MLX's matmuls), with and without the compiled placed-tree pass (llama.Model).
+    variants = [(f"_rows{rb >> 20}mb{'' if c else '_eager'}", rb, c) for rb in (0, 24 << 20, 128 << 20) for c in (True, False)]
+    for r in range(3 if passes_only else 1):
+        for suffix, rb, compiled in variants if passes_only else [("", linear.ROW_BYTES, True)]:
+            saved = linear.ROW_BYTES, llama.Model._compiles_placed_trees
+            linear.ROW_BYTES, model._placed_tree_fn = rb, None  # traced anew under this budget
+            if not compiled:
+                llama.Model._compiles_placed_trees = lambda self, cache: False
+            pipelined(suffix + (f"_r{r}" if passes_only else ""))
+            linear.ROW_BYTES, llama.Model._compiles_placed_trees = saved
+    if passes_only:
+        print(json.dumps(out, indent=1)); sys.exit()
     def fwd(tokens, tree):
         def f():
             lg = model(tokens[None], cache, tree=tree) if tree is not None else model(tokens[None], cache)
@@ -71,6 +107,11 @@ with mx.stream(generation_stream):
         for shape, tree in (("chain", Tree.chain(T)), ("tree", Tree.from_parents(par))):
             if kernel_backend():
                 out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
+                # every projection on MLX's matmul, then every one on the per-row path
+                for suffix, row_bytes in (("_matmul", 0), ("_rows", 1 << 40)):
+                    row_bytes, linear.ROW_BYTES = linear.ROW_BYTES, row_bytes
+                    out[f"T{T}_{shape}_kernel{suffix}"] = ms(fwd(toks, tree))
+                    linear.ROW_BYTES = row_bytes
             kernel, llama.tree_kernel = llama.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
             llama.tree_kernel = kernel
@@ -93,19 +134,28 @@ with mx.stream(generation_stream):
     # and host time (building the graph and handing it to the device) per op, in microseconds.
     W = (mx.random.normal((576, 576)) * 0.04).astype(mx.float16)
     q4, q8 = mx.quantize(W, 64, 4), mx.quantize(W, 64, 8)
+    up, down = nn.Linear(576, 3072, bias=False), nn.Linear(3072, 576, bias=False)
+    rows_up, rows_down, rows_sq = linear.Linear(576, 3072, bias=False), linear.Linear(3072, 576, bias=False), linear.Linear(576, 576, bias=False)
+    for a, b in ((rows_up, up), (rows_down, down)):
+        a.weight = b.weight = (b.weight * 0.5).astype(mx.float16)
+    rows_sq.weight = W
     ops = {
         "add": lambda x: x + 1,
         "matmul": lambda x: x @ W.T,
+        "rows_matmul": rows_sq,  # mlx_hybrid.models.linear's per-row path (1 row: the same gemv)
+        "mlp_pair": lambda x: down(up(x)),  # 576 -> 3072 -> 576: two matmuls an op
+        "rows_mlp_pair": lambda x: rows_down(rows_up(x)),
         "qmm4": lambda x: mx.quantized_matmul(x, *q4, True, 64, 4),
         "qmm8": lambda x: mx.quantized_matmul(x, *q8, True, 64, 8),
         "rms_norm": lambda x: mx.fast.rms_norm(x, None, 1e-5),
         "transpose": lambda x: x.T,  # a view: no data moves (what graph_ops.py counts apart)
     }
+    row_bytes, linear.ROW_BYTES = linear.ROW_BYTES, 1 << 40  # the rows_ ops always take the per-row path
     for name, op in ops.items():
         # Matmuls at every pass size: how a verification's cost grows with its candidates.
-        for T in (1, 8, 17, 34, 64) if name in ("matmul", "qmm4") else (1, 34):
+        for T in (1, 8, 17, 34, 64) if "matmul" in name or name in ("qmm4", "mlp_pair", "rows_mlp_pair") else (1, 34):
             x = mx.random.normal((T, 576)).astype(mx.float16)
-            mx.eval(x, W, q4, q8)
+            mx.eval(x, W, q4, q8, up.weight, down.weight)
             def chain():
                 y = x
                 for _ in range(200):
@@ -116,23 +166,7 @@ with mx.stream(generation_stream):
                 return b
             out[f"op_{name}_T{T}_us"] = round(1000 * ms(lambda: mx.eval(chain())) / 200, 2)
             out[f"op_{name}_T{T}_host_us"] = round(1e6 * median(host() for _ in range(10)) / 200, 2)
-    # Decoding as the loops run it, host and device overlapped: plain decoding, and greedy passes
-    # queued one ahead of the host (per pass; the context grows by what each pass accepts).
-    def per_item(steps, n=40):
-        next(steps)
-        t = time.perf_counter()
-        for _ in range(n): next(steps)
-        dt = (time.perf_counter() - t) / n
-        steps.close()
-        return round(1000 * dt, 3)
-    out["decode_pipelined"] = median(per_item(generate_step(mx.array([5]), model, cache, lambda x: mx.argmax(x, -1), max_tokens=50)) for _ in range(3))
-    trim_cache(cache, cache[0].offset - 256)
-    hidden = model(mx.array([[5]]), cache, return_hidden=True)[1][0, -1]
-    for c in cache: c.trim(1)
-    for method in methods:
-        p = load_proposer(method, model, d)
-        out[f"{method}_pass_pipelined"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
-        trim_cache(cache, cache[0].offset - 256)
+    linear.ROW_BYTES = row_bytes
     for method in methods:
         p = load_proposer(method, model, d)
         root = mx.array([7], mx.int32)

@@ -68,13 +68,17 @@ class KVCache:
         apart from the buffer (`mlx_hybrid.tree_attention`), so that accepting a path is one write
         per array rather than a write of every node and then a move of the path. Returns the whole
         buffers and the buffer row where node 0 goes (rows before it precede the tree)."""
-        n = keys.shape[2]
-        if self.window is not None:
-            self._drop_unreachable()
-        self._reserve(bound - self.start + n, keys, values)
+        self.make_room(keys.shape[2], bound, keys, values)
         row = pos if self.start == 0 else pos - self.start
         self.pending = (row, keys, values)
         return self.keys, self.values, row
+
+    def make_room(self, n: int, bound: int, keys: mx.array | None = None, values: mx.array | None = None):
+        """Buffer rows for a tree of n nodes placed at absolute position <= bound (`hold_tree`),
+        shaped like keys/values or else like the buffers already there."""
+        if self.window is not None:
+            self._drop_unreachable()
+        self._reserve(bound - self.start + n, self.keys if keys is None else keys, self.values if values is None else values)
 
     def _drop_unreachable(self):
         # Queries from now on sit at positions >= offset and see keys > offset - window.
@@ -98,14 +102,7 @@ class KVCache:
         buffer followed by the tree's own rows: every node sees the rows before the tree (within
         the window), then itself and its ancestors. Built once per pass (`Tree.once`)."""
         key = ("mask", tree.host_offset(self.offset), self.start, self.keys.shape[2])
-        return tree.once(key, lambda: self._tree_mask(tree, row, depths))
-
-    def _tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
-        rel = mx.arange(self.keys.shape[2]) - row  # buffer row relative to node 0
-        before = mx.broadcast_to(rel[None] < 0, (len(tree), rel.shape[0]))
-        if self.window is not None:
-            before = before & (depths[:, None] - rel[None] < self.window)
-        return mx.concatenate([before, tree.visible()], axis=1)
+        return tree.once(key, lambda: tree_mask_over(self.keys.shape[2], row, tree.visible(), depths, self.window))
 
     def accept(self, path: list[int]):
         """Write the accepted path's keys/values (node indices, root first, in path order) from
@@ -159,6 +156,16 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
+
+
+def tree_mask_over(rows: int, row: mx.array, visible: mx.array, depths: mx.array | None = None, window: int | None = None) -> mx.array:
+    """`KVCache.tree_mask` for buffers of `rows` rows: the rows before `row` (within the window,
+    from each node's depth), then the tree's own visible (n, n) ancestor mask."""
+    rel = mx.arange(rows) - row  # buffer row relative to node 0
+    before = mx.broadcast_to(rel[None] < 0, (visible.shape[0], rows))
+    if window is not None:
+        before = before & (depths[:, None] - rel[None] < window)
+    return mx.concatenate([before, visible], axis=1)
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field, fields
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_hybrid.cache import KVCache
+from mlx_hybrid.cache import KVCache, tree_mask_over
+from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.rope import apply_rope, apply_rope_at, rope_frequencies
+from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention, tree_kernel
 
 
@@ -69,8 +71,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self._scale = mx.array([self.scale], mx.float32)  # the tree-attention kernel's input
         qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, qkv, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
+        self.qkv_proj = Linear(args.hidden_size, qkv, bias=args.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
         self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling)
 
     def __call__(self, x: mx.array, cache: KVCache, tree=None) -> mx.array:
@@ -78,39 +80,50 @@ class Attention(nn.Module):
         sees the cache and its ancestors, at position (cache offset or `tree.pos`) + depth, and
         its keys/values wait beside the cache for `accept` (see `KVCache.hold_tree`)."""
         B, L, _ = x.shape
-        qkv = self.qkv_proj(x)
-        heads = [self.n_heads, self.n_heads + self.n_kv_heads]
         if tree is None:
+            qkv = self.qkv_proj(x)
+            heads = [self.n_heads, self.n_heads + self.n_kv_heads]
             q, k, v = mx.split(qkv.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3), heads, axis=1)
             q = apply_rope(q, self._freqs, cache.offset)
             k = apply_rope(k, self._freqs, cache.offset)
             k, v = cache.update_and_fetch(k, v)
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=cache.make_mask(L))
             return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        # A node per batch entry (B is 1), so that each gets its own position.
-        q, k, v = mx.split(qkv.reshape(L, -1, 1, self.head_dim), heads, axis=1)
         pos, bound = tree.position(cache.offset)
         depths = tree.node_depths()
         positions = tree.once(("positions", tree.host_offset(cache.offset)), lambda: pos + depths)
+        q, k, v = self.tree_qkv(x, positions)
+        keys, values, row = cache.hold_tree(k, v, pos, bound)
+        mask = None if tree_kernel(q, keys, cache.window) else cache.tree_mask(tree, row, depths)
+        return self.tree_attend(q, k, v, keys, values, row, tree.once("parents", tree.parent_array), mask)
+
+    def tree_qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values (1, heads, nodes, head_dim) of tree nodes x (1, nodes, hidden)
+        at positions (nodes,): a node per batch entry in RoPE, so that each gets its own position."""
+        L = x.shape[1]
+        heads = [self.n_heads, self.n_heads + self.n_kv_heads]
+        q, k, v = mx.split(self.qkv_proj(x).reshape(L, -1, 1, self.head_dim), heads, axis=1)
         q = apply_rope_at(q, self._freqs, positions).transpose(2, 1, 0, 3)
         k = apply_rope_at(k, self._freqs, positions).transpose(2, 1, 0, 3)
-        v = v.transpose(2, 1, 0, 3)
-        keys, values, row = cache.hold_tree(k, v, pos, bound)
-        if backend := tree_kernel(q, keys, cache.window):
-            parents = tree.once("parents", tree.parent_array)
-            out = tree_attention(q, keys, values, k, v, parents, row, self._scale, backend=backend)
+        return q, k, v.transpose(2, 1, 0, 3)
+
+    def tree_attend(self, q, k, v, keys, values, row, parents, mask) -> mx.array:
+        """The nodes' attention output, projected: over the cache buffers' rows before `row` and
+        each node's own ancestors, by the tree kernel (mask None) or by MLX's attention with `mask`
+        over the buffer followed by the nodes."""
+        if mask is None:
+            out = tree_attention(q, keys, values, k, v, parents, row, self._scale, backend=kernel_backend())
         else:
-            mask = cache.tree_mask(tree, row, depths)
             keys, values = mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
-        return self.o_proj(out.reshape(B, L, -1))
+        return self.o_proj(out.reshape(1, q.shape[2], -1))
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
@@ -151,6 +164,7 @@ class Model(nn.Module):
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self._placed_tree_fn = None  # `_placed_tree_arrays` compiled, made at the first such pass
 
     def __call__(self, tokens: mx.array, cache: list | None = None, return_hidden: bool = False, tree=None):
         """Logits (batch, length, vocab) for tokens (batch, length); also the final hidden states if asked.
@@ -160,9 +174,52 @@ class Model(nn.Module):
         (`mlx_hybrid.speculative.tree.Tree`, batch 1) the tokens are speculative candidates that
         continue the cache; the caches keep them pending until `accept(path)` (mlx_hybrid/cache.py).
         """
-        h = self.model(tokens, cache if cache is not None else self.make_cache(), tree)
-        logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        if tree is not None and tree.pos is not None and self._compiles_placed_trees(cache):
+            logits, h = self._placed_tree(tokens, cache, tree)
+        else:
+            h = self.model(tokens, cache if cache is not None else self.make_cache(), tree)
+            logits = self._logits(h)
         return (logits, h) if return_hidden else logits
+
+    def _logits(self, h: mx.array) -> mx.array:
+        return self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+
+    def _compiles_placed_trees(self, cache: list) -> bool:
+        return all(type(layer) is DecoderLayer for layer in self.layers) and all(
+            type(c) is KVCache and c.window is None and c.keys is not None for c in cache
+        )
+
+    def _placed_tree(self, tokens: mx.array, cache: list[KVCache], tree) -> tuple[mx.array, mx.array]:
+        """A greedy pass's tree, placed on the device (`Tree.at`), through one compiled function
+        of arrays. Such passes repeat their shapes (the buffers grow every `STEP` tokens), so it is
+        traced once a shape and replayed: a pass of a small model is bound by the host's time per
+        op, which replaying cuts to MLX's own, without Python building a few hundred ops again."""
+        n, bound = tokens.shape[1], tree.bound
+        for c in cache:
+            c.make_room(n, bound)
+        if self._placed_tree_fn is None:
+            self._placed_tree_fn = mx.compile(self._placed_tree_arrays)
+        buffers = [a for c in cache for a in (c.keys, c.values)]
+        logits, h, *held = self._placed_tree_fn(tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *buffers)
+        for c, k, v in zip(cache, held[::2], held[1::2]):
+            c.hold_tree(k, v, tree.pos, bound)
+        return logits, h
+
+    def _placed_tree_arrays(self, tokens, pos, depths, parents, visible, *buffers):
+        """Logits, hidden states and each layer's keys and values (for `KVCache.hold_tree`) of
+        tree nodes tokens (1, n) with node 0 at pos, over caches with no window whose buffers
+        (keys, values of each layer in turn) hold the context in the rows before pos."""
+        h, positions, mask, held = self.model.embed_tokens(tokens), pos + depths, None, []
+        for layer, keys, values in zip(self.layers, buffers[::2], buffers[1::2]):
+            attn = layer.self_attn
+            q, k, v = attn.tree_qkv(layer.input_layernorm(h), positions)
+            if mask is None and not tree_kernel(q, keys, None):
+                mask = tree_mask_over(keys.shape[2], pos, visible)
+            h = h + attn.tree_attend(q, k, v, keys, values, pos, parents, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            held += [k, v]
+        h = self.model.norm(h)
+        return self._logits(h), h, *held
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache(self.args.sliding_window) for _ in self.model.layers]
