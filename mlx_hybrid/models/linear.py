@@ -16,10 +16,10 @@ import mlx.nn as nn
 
 from mlx_hybrid.kernels import kernel_backend
 
-# On the H100 a 24 MB budget (a 17-node pass: SmolLM2-135M's attention projections per row, its
-# MLP's on cuBLAS) cut a pass by 10-30% against none (benchmarks/README.md); 64 MB and up, which
-# also sends the MLP's per row, measured no better.
-ROW_BYTES = 24 << 20
+# On the H100, SmolLM2-135M's greedy passes (17 and 64 nodes) were quickest under 128 MB, which
+# sends every projection of a 17-node pass per row, against 24 MB and none, in interleaved rounds
+# (benchmarks/README.md: `pass_cost.py --passes`).
+ROW_BYTES = 128 << 20
 
 
 class Linear(nn.Linear):
