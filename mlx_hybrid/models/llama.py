@@ -193,7 +193,8 @@ class Model(nn.Module):
         """A greedy pass's tree, placed on the device (`Tree.at`), through one compiled function
         of arrays. Such passes repeat their shapes (the buffers grow every `STEP` tokens), so it is
         traced once a shape and replayed: a pass of a small model is bound by the host's time per
-        op, which replaying cuts to MLX's own, without Python building a few hundred ops again."""
+        op, which replaying cuts to MLX's own, without Python building a few hundred ops again.
+        The trace keeps the weights the model has at the first such pass."""
         n, bound = tokens.shape[1], tree.bound
         for c in cache:
             c.make_room(n, bound)
