@@ -94,8 +94,9 @@ class Attention(nn.Module):
         positions = tree.once(("positions", tree.host_offset(cache.offset)), lambda: pos + depths)
         q, k, v = self.tree_qkv(x, positions)
         keys, values, row = cache.hold_tree(k, v, pos, bound)
-        mask = None if tree_kernel(q, keys, cache.window) else cache.tree_mask(tree, row, depths)
-        return self.tree_attend(q, k, v, keys, values, row, tree.once("parents", tree.parent_array), mask)
+        if tree_kernel(q, keys, cache.window):
+            return self.tree_attend(q, k, v, keys, values, row, tree.once("parents", tree.parent_array), None)
+        return self.tree_attend(q, k, v, keys, values, row, None, cache.tree_mask(tree, row, depths))
 
     def tree_qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values (1, heads, nodes, head_dim) of tree nodes x (1, nodes, hidden)
