@@ -109,8 +109,9 @@ def compute_dtype(model) -> mx.Dtype:
     return getattr(embed, "scales", embed.weight).dtype
 
 
-def runners(target_dir: Path, ours, k: int, beam: tuple[int, int]):
-    """name -> function(prompt, n) -> (tokens, seconds, target passes)."""
+def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = ()):
+    """name -> function(prompt, n) -> (tokens, seconds, target passes). ReDrafter runs with each
+    beam (the first named plainly), Medusa with its own tree and with each tree size."""
     from mlx_lm.generate import generate_step as lm_generate_step
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.utils import load_model as lm_load_model
@@ -161,10 +162,16 @@ def runners(target_dir: Path, ours, k: int, beam: tuple[int, int]):
         return toks, secs, steps[0]
 
     out = {"mlx-hybrid plain": ours_plain} | ({"mlx-lm plain": lm_plain} if lm_target else {})
-    for method in ("medusa", "redrafter", "draft"):
+    variants = {
+        "medusa": [("", None)] + [(f" {n} nodes", Settings(tree_size=n)) for n in medusa_sizes],
+        "redrafter": [("" if i == 0 else f" {w}x{l}", Settings(w, l)) for i, (w, l) in enumerate(beams)],
+        "draft": [("", None)],
+    }
+    for method, settings in variants.items():
         if (target_dir / method).is_dir():
-            proposer = load_proposer(method, ours, target_dir, num_draft=k, settings=Settings(*beam))
-            out[f"mlx-hybrid {method}"] = spec(proposer)
+            for suffix, setting in settings:
+                proposer = load_proposer(method, ours, target_dir, num_draft=k, settings=setting)
+                out[f"mlx-hybrid {method}{suffix}"] = spec(proposer)
     if lm_draft is not None:
         out["mlx-lm draft"] = lm_spec
     return out
@@ -182,12 +189,20 @@ def main(argv=None) -> int:
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (ours and mlx-lm's)")
-    p.add_argument("--beam", default="4x4", help="ReDrafter beam width x length")
+    p.add_argument("--beam", default="4x4", help="ReDrafter beam width x length; several, comma-separated, give a row each")
+    p.add_argument("--medusa-sizes", default="", help="Medusa tree sizes (comma-separated) to run beside its own tree, "
+                   "each the greedy tree from the calibrated head accuracies")
     p.add_argument("--draft-layers", type=int, default=2, help="synthetic: layers of the truncated draft")
     p.add_argument("--work-dir", type=Path, default=BENCH_DIR / "results" / "models")
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
-    beam = tuple(int(x) for x in args.beam.lower().split("x"))
+    try:
+        beams = [tuple(int(x) for x in b.lower().split("x")) for b in args.beam.split(",")]
+        medusa_sizes = [int(n) for n in args.medusa_sizes.split(",") if n]
+        if any(len(b) != 2 for b in beams):
+            raise ValueError
+    except ValueError:
+        p.error(f"--beam takes WxL[,WxL...] and --medusa-sizes N[,N...], got {args.beam!r} and {args.medusa_sizes!r}")
 
     if args.synthetic:
         target_dir = args.work_dir / f"{args.synthetic}-speculative"
@@ -214,7 +229,7 @@ def main(argv=None) -> int:
         lines = PROMPTS_FILE.read_text().splitlines()
         prompts = [tokenizer.encode(t) for t in lines[len(lines) // 2 :][: args.prompts]]
         prompt_desc = f"each of {len(prompts)} held-out news prompts"
-    run = runners(target_dir, ours, args.num_draft, beam)
+    run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes)
     trials = {name: [] for name in run}
     reference = {}
     for name, fn in run.items():  # warm-up; the reference tokens
