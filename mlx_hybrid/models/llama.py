@@ -1,7 +1,8 @@
 """Llama 2/3/3.x and Mistral (sliding-window) decoder, in the Hugging Face weight layout.
 
 Q/K/V and gate/up projections are fused into one matmul each at load time (`sanitize`): a
-decode step is a chain of small matrix-vector products, so fewer, larger ones run faster.
+decode step is a chain of small matrix-vector products, so fewer, larger ones run faster. For the
+same reason queries and keys turn in one RoPE call (a launch per layer saved).
 """
 
 from dataclasses import dataclass, field, fields
@@ -81,11 +82,9 @@ class Attention(nn.Module):
         its keys/values wait beside the cache for `accept` (see `KVCache.hold_tree`)."""
         B, L, _ = x.shape
         if tree is None:
-            qkv = self.qkv_proj(x)
-            heads = [self.n_heads, self.n_heads + self.n_kv_heads]
-            q, k, v = mx.split(qkv.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3), heads, axis=1)
-            q = apply_rope(q, self._freqs, cache.offset)
-            k = apply_rope(k, self._freqs, cache.offset)
+            qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+            qk, v = mx.split(qkv, [self.n_heads + self.n_kv_heads], axis=1)
+            q, k = mx.split(apply_rope(qk, self._freqs, cache.offset), [self.n_heads], axis=1)
             k, v = cache.update_and_fetch(k, v)
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=cache.make_mask(L))
             return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -102,10 +101,8 @@ class Attention(nn.Module):
         """Queries, keys and values (1, heads, nodes, head_dim) of tree nodes x (1, nodes, hidden)
         at positions (nodes,): a node per batch entry in RoPE, so that each gets its own position."""
         L = x.shape[1]
-        heads = [self.n_heads, self.n_heads + self.n_kv_heads]
-        q, k, v = mx.split(self.qkv_proj(x).reshape(L, -1, 1, self.head_dim), heads, axis=1)
-        q = apply_rope_at(q, self._freqs, positions).transpose(2, 1, 0, 3)
-        k = apply_rope_at(k, self._freqs, positions).transpose(2, 1, 0, 3)
+        qk, v = mx.split(self.qkv_proj(x).reshape(L, -1, 1, self.head_dim), [self.n_heads + self.n_kv_heads], axis=1)
+        q, k = mx.split(apply_rope_at(qk, self._freqs, positions).transpose(2, 1, 0, 3), [self.n_heads], axis=1)
         return q, k, v.transpose(2, 1, 0, 3)
 
     def tree_attend(self, q, k, v, keys, values, row, parents, mask) -> mx.array:
