@@ -180,6 +180,7 @@ def main(argv=None) -> int:
         model = load_model(target, "float16")
         write_heads(target, model, seed=0, draft_layers=2)
         results["SmolLM2-135M shape, float16 (30 attention layers)"] = measure(model, target, ["medusa", "redrafter"])
+        model = load_model(target, "float16")  # a new model: the first's compiled tree pass keeps its weights
         nn.quantize(model, 64, 4)
         results["SmolLM2-135M shape, 4-bit"] = measure(model, target, ["medusa", "redrafter"])
     default = load_model(default_model_path(), "float16")
