@@ -1,6 +1,11 @@
-"""Calibrate /tmp/mt's Medusa tree (63 nodes) on 24 held-out chat questions of the heads run
-(not the benchmark's: benchmarks/chat_prompts.txt)."""
+"""Calibrate /tmp/mt's Medusa tree (NODES, default 24) on 24 held-out chat questions of the heads
+run (not the benchmark's: benchmarks/chat_prompts.txt). 24 nodes: the quickest Medusa tree in each
+of the thirteenth session's three H100 runs (16 to 63 nodes; benchmarks/README.md).
+
+    python3 benchmarks/gpu/calibrate.py [NODES]
+"""
 import json
+import sys
 from pathlib import Path
 
 from mlx_hybrid.chat import render_chat
@@ -13,6 +18,6 @@ benchmark = {q.strip().lower() for q in Path("benchmarks/chat_prompts.txt").read
 questions = [json.loads(line)["prompt"] for line in open("/tmp/heads/chat-heldout-prompts.jsonl")]
 questions = [q for q in questions if q.strip().lower() not in benchmark][:24]
 prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in questions]
-r = calibrate(model, mt / "medusa", prompts, num_nodes=63)
+r = calibrate(model, mt / "medusa", prompts, num_nodes=int(sys.argv[1]) if len(sys.argv) > 1 else 24)
 print(f"calibrated on {len(questions)} questions; top-1 per head {[round(a[0], 3) for a in r['head_accuracies']]}; "
       f"expected tokens a pass {r['expected_length']:.3f}")
