@@ -14,7 +14,8 @@ tokens/s = (tokens - 1) / time from the first to the last token, as in benchmark
 builds a random-weight target in a real shape, Medusa heads initialized as Medusa does before
 training (ResBlocks zero, LM heads copies of the target's), a random drafter, and a draft made of
 the target's first --draft-layers layers: acceptance is then low and the numbers show overhead,
-not the speedup trained heads give.
+not the speedup trained heads give. --medusa-sizes 16,24 adds a Medusa row per tree size and
+--beam 4x5,2x5 a ReDrafter row per beam, side by side with the rest.
 
     python benchmarks/speculative.py --synthetic smollm2-135m
     python benchmarks/speculative.py --model path/to/model --label "NVIDIA H100, MLX CUDA backend"
