@@ -202,6 +202,11 @@ class StateCache:
         self.arrays = arrays
         self.offset += n
 
+    def hold_nodes(self, arrays: list[mx.array]):
+        """Keep a verification pass's arrays after every node (node axis 1) for `accept`; one
+        gather each, also for a device scalar node (indexing spells that as ~4 ops)."""
+        self.pending = lambda node: [mx.take(a, node, axis=1) for a in arrays]
+
     def accept(self, path: list[int]):
         """Advance along the accepted candidate path (node indices, root first) of the last
         verification pass: the state becomes the one after its last node."""

@@ -547,5 +547,6 @@ def test_greedy_on_emulated_gpu_kernels_equals_plain_greedy(target, tmp_path, mo
         for prompt, ref in references:
             got, steps, _ = run_steps(model, proposer, prompt, 14)
             assert got == ref, f"{kind} {method}, prompt {prompt}"
+        assert model._placed_tree_fn is not None  # the passes took the compiled route (run uncompiled here)
     finally:
         mx.enable_compile()

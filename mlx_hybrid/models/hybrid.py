@@ -207,8 +207,7 @@ def _advance(cache: StateCache, window: mx.array, state: mx.array, tree):
     if tree is None:
         cache.update([window, state], 1)
     else:
-        # One gather per array, also for a device scalar node (indexing spells that as ~4 ops).
-        cache.pending = lambda node: [mx.take(window, node, axis=1), mx.take(state, node, axis=1)]
+        cache.hold_nodes([window, state])
 
 
 class Mamba(nn.Module):
@@ -233,6 +232,18 @@ class Mamba(nn.Module):
         self.D = mx.ones((self.d_inner,))
         self.out_proj = Linear(self.d_inner, args.hidden_size, bias=False)
 
+    def kernel_step(self, u, window, state, parents, backend: str):
+        """The mixer on `ssm_step`: output, window and state after one token u, or with parents
+        after each node of the tree u."""
+        proj = self.in_proj(u)
+        dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
+        d_xb, d_inner = self.d_xb, self.d_inner
+        y, window, state = ssm_step(
+            proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state, parents,
+            mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
+        )
+        return self.out_proj(y), window, state
+
     def project(self, u: mx.array):
         """x, z, B, C, dt (pre-softplus) for input u, KV groups expanded (see the class docstring)."""
         x, z, Bm, Cm, dt = _mamba_inputs(self.in_proj(u), self.d_xb, self.d_inner, self.d_state, self.repeats)
@@ -242,15 +253,9 @@ class Mamba(nn.Module):
         """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
         window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
         if (u.shape[1] == 1 or tree is not None) and (backend := kernel_backend()):
-            proj = self.in_proj(u)
-            dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
-            d_xb, d_inner = self.d_xb, self.d_inner
-            y, window, state = ssm_step(
-                proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state, _parents(tree),
-                mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
-            )
+            y, window, state = self.kernel_step(u, window, state, _parents(tree), backend)
             _advance(cache, window, state, tree)
-            return self.out_proj(y)
+            return y
         x, z, Bm, Cm, dt = self.project(u)
         A = -mx.exp(self.A_log.astype(mx.float32)).T
         if tree is not None:
@@ -282,19 +287,26 @@ class Mamba2(nn.Module):
         self.norm = nn.RMSNorm(self.d_inner)  # weight only: normalized per head below
         self.out_proj = Linear(self.d_inner, args.hidden_size, bias=False)
 
+    def kernel_step(self, u, window, state, parents, backend: str):
+        """The mixer on `ssm_step`: output, window and state after one token u, or with parents
+        after each node of the tree u."""
+        proj = self.in_proj(u)
+        y, window, state = ssm_step(
+            proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
+            state, parents, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
+        )
+        return self.out_proj(_head_rms_norm(y, self.norm.weight, self.d_state, self.eps)), window, state
+
     def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
         """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
         B_, L, _ = u.shape
         n, r = self.d_state, self.repeats
         window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
-        proj = self.in_proj(u)
         if (L == 1 or tree is not None) and (backend := kernel_backend()):
-            y, window, state = ssm_step(
-                proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
-                state, _parents(tree), mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
-            )
+            y, window, state = self.kernel_step(u, window, state, _parents(tree), backend)
             _advance(cache, window, state, tree)
-            return self.out_proj(_head_rms_norm(y, self.norm.weight, n, self.eps))
+            return y
+        proj = self.in_proj(u)
         z, xBC, dt = mx.split(proj, [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
         if tree is not None:
             xBC, window_after = self.conv1d.tree(xBC, window, tree)
@@ -437,6 +449,22 @@ class HybridLayer(nn.Module):
         mixer = self[MIXER_NAME[kind]]
         h = x + mixer(self.input_layernorm(x), cache, tree)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def compiles_tree(self, cache) -> bool:
+        """Whether `placed_tree` can run this layer in a compiled pass: attention as a Llama
+        layer's, Mamba and Mamba2 on the GPU kernel (`ssm_step`); DSLA never."""
+        if self.kind == "attention":
+            return llama.DecoderLayer.compiles_tree(self, cache)
+        return self.kind in ("mamba", "mamba2") and cache.arrays is not None and kernel_backend() is not None
+
+    def placed_tree(self, h: mx.array, a: mx.array, b: mx.array, at: llama.PlacedTree):
+        """`llama.DecoderLayer.placed_tree`; a recurrent layer takes its window and state (a, b)
+        and returns them after every node."""
+        if self.kind == "attention":
+            return llama.DecoderLayer.placed_tree(self, h, a, b, at)
+        y, window, state = self.mixer.kernel_step(self.input_layernorm(h), a, b, at.parents, kernel_backend())
+        h = h + y
+        return h + self.mlp(self.post_attention_layernorm(h)), (window, state)
 
 
 class Model(llama.Model):

@@ -140,6 +140,37 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), cache, tree)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def compiles_tree(self, cache) -> bool:
+        """Whether `placed_tree` can run this layer's share of a compiled pass over cache."""
+        return type(cache) is KVCache and cache.window is None and cache.keys is not None
+
+    def placed_tree(self, h: mx.array, keys: mx.array, values: mx.array, at: "PlacedTree"):
+        """This layer over tree nodes h inside the compiled pass (`Model._placed_tree_arrays`),
+        with the cache's buffers; returns h and the nodes' keys and values (for `hold_tree`)."""
+        attn = self.self_attn
+        q, k, v = attn.tree_qkv(self.input_layernorm(h), at.positions)
+        h = h + attn.tree_attend(q, k, v, keys, values, at.pos, at.parents, at.mask(q, keys))
+        return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
+
+
+@dataclass
+class PlacedTree:
+    """A placed tree's arrays as a compiled pass sees them (node 0 at pos; positions = pos +
+    depths), and the attention mask, built once for the layers when the tree kernel is not used."""
+
+    pos: mx.array
+    positions: mx.array
+    parents: mx.array
+    visible: mx.array
+    _mask: mx.array | None = None
+
+    def mask(self, q: mx.array, keys: mx.array) -> mx.array | None:
+        if tree_kernel(q, keys, None):
+            return None
+        if self._mask is None:
+            self._mask = tree_mask_over(keys.shape[2], self.pos, self.visible)
+        return self._mask
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -183,40 +214,39 @@ class Model(nn.Module):
         return self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
 
     def _compiles_placed_trees(self, cache: list) -> bool:
-        return all(type(layer) is DecoderLayer for layer in self.layers) and all(
-            type(c) is KVCache and c.window is None and c.keys is not None for c in cache
-        )
+        return all(layer.compiles_tree(c) for layer, c in zip(self.layers, cache))
 
-    def _placed_tree(self, tokens: mx.array, cache: list[KVCache], tree) -> tuple[mx.array, mx.array]:
+    def _placed_tree(self, tokens: mx.array, cache: list, tree) -> tuple[mx.array, mx.array]:
         """A greedy pass's tree, placed on the device (`Tree.at`), through one compiled function
         of arrays. Such passes repeat their shapes (the buffers grow every `STEP` tokens), so it is
         traced once a shape and replayed: a pass of a small model is bound by the host's time per
         op, which replaying cuts to MLX's own, without Python building a few hundred ops again.
-        The trace keeps the weights the model has at the first such pass."""
+        Each layer hands in two arrays (a KV cache's buffers, a recurrent layer's window and
+        state) and gets two back (the nodes' keys and values, or the window and state after each
+        node). The trace keeps the weights the model has at the first such pass."""
         n, bound = tokens.shape[1], tree.bound
         for c in cache:
-            c.make_room(n, bound)
+            if isinstance(c, KVCache):
+                c.make_room(n, bound)
         if self._placed_tree_fn is None:
             self._placed_tree_fn = mx.compile(self._placed_tree_arrays)
-        buffers = [a for c in cache for a in (c.keys, c.values)]
-        logits, h, *held = self._placed_tree_fn(tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *buffers)
-        for c, k, v in zip(cache, held[::2], held[1::2]):
-            c.hold_tree(k, v, tree.pos, bound)
+        arrays = [a for c in cache for a in c.state]
+        logits, h, *held = self._placed_tree_fn(tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *arrays)
+        for c, a, b in zip(cache, held[::2], held[1::2]):
+            if isinstance(c, KVCache):
+                c.hold_tree(a, b, tree.pos, bound)
+            else:
+                c.hold_nodes([a, b])
         return logits, h
 
-    def _placed_tree_arrays(self, tokens, pos, depths, parents, visible, *buffers):
-        """Logits, hidden states and each layer's keys and values (for `KVCache.hold_tree`) of
-        tree nodes tokens (1, n) with node 0 at pos, over caches with no window whose buffers
-        (keys, values of each layer in turn) hold the context in the rows before pos."""
-        h, positions, mask, held = self.model.embed_tokens(tokens), pos + depths, None, []
-        for layer, keys, values in zip(self.layers, buffers[::2], buffers[1::2]):
-            attn = layer.self_attn
-            q, k, v = attn.tree_qkv(layer.input_layernorm(h), positions)
-            if mask is None and not tree_kernel(q, keys, None):
-                mask = tree_mask_over(keys.shape[2], pos, visible)
-            h = h + attn.tree_attend(q, k, v, keys, values, pos, parents, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            held += [k, v]
+    def _placed_tree_arrays(self, tokens, pos, depths, parents, visible, *arrays):
+        """Logits, hidden states and each layer's two held arrays (see `_placed_tree`) of tree
+        nodes tokens (1, n) with node 0 at pos, over caches whose arrays (two a layer, in turn)
+        hold the context before pos."""
+        h, at, held = self.model.embed_tokens(tokens), PlacedTree(pos, pos + depths, parents, visible), []
+        for layer, a, b in zip(self.layers, arrays[::2], arrays[1::2]):
+            h, kept = layer.placed_tree(h, a, b, at)
+            held += kept
         h = self.model.norm(h)
         return self._logits(h), h, *held
 

@@ -1,8 +1,11 @@
 """The default-model run: a small 50% Mamba2 hybrid of the teacher, with its ReDrafter drafter, sized
 for the 25 MB of package data of `hybrid chat`'s embedded default at 4 bits.
 
-    python train_cuda/scripts/real_default.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--tiny] [--resume]
+    python train_cuda/scripts/real_default.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--settings YAML] [--tiny] [--resume]
     hybrid convert OUT/student/model DST --dtype float16 -q --bits 4 --group-size 64 --redrafter OUT/redrafter/redrafter
+
+With `--settings configs/real_hybrid_target.yaml` the same stages make the speed benchmark's hybrid
+target instead: a full-size 50% Mamba2 hybrid of the teacher (no `layers`, no `vocab_size`) with its drafter.
 
 TEACHER: a Hugging Face Llama/Mistral directory or a .gguf file (converted once into OUT/teacher;
 needs the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a
@@ -10,7 +13,8 @@ line (scripts/fetch_corpus.py). Stages (settings: configs/real_default.yaml; --t
 
 1. news: the teacher continues two-sentence windows of train.txt (sampled, `samples` times each);
 2. questions: the teacher writes user turns itself (Magpie: its chat template up to the user's
-   turn, sampled), deduplicated; chat: the teacher answers them (sampled);
+   turn, sampled), deduplicated, the speed benchmark's (benchmarks/chat_prompts.txt) dropped;
+   chat: the teacher answers them (sampled);
 3. student: `distill` into a smaller student (`layers`, `vocab_size`: hybrid_train/shrink.py) with
    every 2nd layer Mamba2, on the news, chat and train.txt text, KL to the teacher on every label;
 4. drafter-labels: the student's own greedy continuations of windows of its training sequences
@@ -36,6 +40,7 @@ from hybrid_train.errors import TrainError  # noqa: E402
 from hybrid_train.teacher import load_tokenizer  # noqa: E402
 
 SETTINGS = HERE.parent / "configs" / "real_default.yaml"
+BENCHMARK_PROMPTS = HERE.parents[1] / "benchmarks" / "chat_prompts.txt"
 TINY = {  # sizes for the CPU test of this script
     "news": {"max_prompts": 8},
     "questions": {"count": 8, "heldout": 2, "max_new_tokens": 12, "batch_size": 4, "ended_only": False, "min_chars": 1},
@@ -58,9 +63,11 @@ def user_turn_prefix(tokenizer) -> str:
 
 
 def questions(labels: Path, eos: int | None, min_chars: int) -> list[str]:
-    """The teacher's user turns, one line each, without short or repeated ones; with eos, only
-    those it ended itself (with that end-of-turn token)."""
-    seen, out = set(), []
+    """The teacher's user turns, one line each, without short or repeated ones or the speed
+    benchmark's prompts (benchmarks/chat_prompts.txt: never trained on); with eos, only those it
+    ended itself (with that end-of-turn token)."""
+    seen = {q.strip().lower() for q in BENCHMARK_PROMPTS.read_text().splitlines()} if BENCHMARK_PROMPTS.is_file() else set()
+    out = []
     for row in map(json.loads, labels.read_text().splitlines()):
         q = " ".join(row["response"].split())
         ended = eos is None or row["response_ids"][-1:] == [eos]

@@ -24,12 +24,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from real_default import merge, questions, user_turn_prefix, write_prompts  # noqa: E402
-from real_run import finish, hf_model, make_prompts, parse_args, stage, start  # noqa: E402
+from real_run import finish, hf_model, make_prompts, script_main, stage, start  # noqa: E402
 
 from hybrid_train.errors import TrainError  # noqa: E402
 from hybrid_train.teacher import load_tokenizer  # noqa: E402
-
-BENCHMARK_PROMPTS = HERE.parents[1] / "benchmarks" / "chat_prompts.txt"
 
 SETTINGS = HERE.parent / "configs" / "real_heads.yaml"
 TINY = {  # sizes for the CPU test of this script
@@ -43,8 +41,7 @@ TINY = {  # sizes for the CPU test of this script
 }
 
 
-def main() -> int:
-    args = parse_args(__doc__, "base")
+def run(args) -> int:
     settings, out, timings, began = start(args, SETTINGS, TINY)
     base = hf_model(args.base, out / "base", timings)
 
@@ -66,9 +63,8 @@ def main() -> int:
         cfg = dict(settings["pseudo-labels"], teacher=str(base), prompts=str(seeds), out=str(asked), temperature=c["question_temperature"],
                    top_p=c["question_top_p"], seed=c["question_seed"], max_new_tokens=c["max_question_tokens"], batch_size=c["question_batch_size"])
         stage("questions", cfg, out, False, timings, kind="pseudo-labels")
-    benchmark = {q.strip().lower() for q in BENCHMARK_PROMPTS.read_text().splitlines()} if BENCHMARK_PROMPTS.is_file() else set()
     eos = tokenizer.eos_token_id if c["ended_only"] else None
-    kept = [q for q in questions(asked, eos, c["min_chars"]) if q.lower() not in benchmark]
+    kept = questions(asked, eos, c["min_chars"])
     if len(kept) <= c["heldout"]:
         raise TrainError(f"the base wrote {len(kept)} usable questions: fewer than heldout ({c['heldout']}) + 1")
     for name, part in (("chat", kept[: -c["heldout"]]), ("chat-heldout", kept[-c["heldout"] :])):
@@ -105,4 +101,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(__doc__, "base", run))

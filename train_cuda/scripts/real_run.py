@@ -1,7 +1,7 @@
 """The real run: pseudo-labels -> 50% hybrid -> 25% hybrid, and perplexity of teacher and students
 on held-out text (the shape of "The Mamba in the Llama" Table 6: the ratio to the teacher).
 
-    python train_cuda/scripts/real_run.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--tiny] [--resume]
+    python train_cuda/scripts/real_run.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--settings YAML] [--tiny] [--resume]
 
 TEACHER: a Hugging Face Llama/Mistral directory, or a .gguf file (converted once into OUT/teacher;
 needs the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a
@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # hybrid_train, whether installed or not
 SETTINGS = HERE.parent / "configs" / "real_run.yaml"
 TINY = {  # sizes for the CPU test of this script
     "prompts": {"max_prompts": 8},
@@ -85,6 +86,7 @@ def parse_args(doc: str, base: str) -> argparse.Namespace:
     parser.add_argument(f"--{base}", required=True)
     parser.add_argument("--corpus", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--settings", type=Path, help="a settings file in place of the script's own (configs/)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
     parser.add_argument("--resume", action="store_true")
     return parser.parse_args()
@@ -118,8 +120,13 @@ def check_corpus(corpus: Path):
 
 
 def start(args, path: Path, tiny: dict) -> tuple[dict, Path, dict, float]:
-    """A run's settings (with the --tiny sizes when asked), its out directory (made, with configs/),
-    an empty timings dict for `stage` and the start time for `finish`."""
+    """A run's settings (path, or --settings; with the --tiny sizes when asked), its out directory
+    (made, with configs/), an empty timings dict for `stage` and the start time for `finish`."""
+    from hybrid_train.errors import TrainError
+
+    path = args.settings or path
+    if not path.is_file():
+        raise TrainError(f"no settings file {path}")
     out = args.out.resolve()
     (out / "configs").mkdir(parents=True, exist_ok=True)
     return load_settings(path, tiny if args.tiny else None), out, {}, time.time()
@@ -133,8 +140,7 @@ def finish(out: Path, report: dict, timings: dict, began: float) -> int:
     return 0
 
 
-def main() -> int:
-    args = parse_args(__doc__, "teacher")
+def run(args) -> int:
     settings, out, timings, began = start(args, SETTINGS, TINY)
     teacher = hf_model(args.teacher, out / "teacher", timings)
 
@@ -168,4 +174,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(__doc__, "teacher", run))

@@ -33,3 +33,19 @@ def test_real_default_script(tmp_path, teacher_dir, article_corpus):
     assert (drafter["vocab_size"], drafter["exit_dim"]) == (280, 64)
     assert len(report["redrafter"]["top1"]) == 2
     assert set(report["seconds"]) >= {"news", "questions", "chat", "student", "redrafter", "perplexity-news", "perplexity-chat", "total"}
+
+
+def test_real_default_script_with_the_hybrid_target_settings(tmp_path, teacher_dir, article_corpus):
+    """--settings: configs/real_hybrid_target.yaml runs the same stages with its own settings (one
+    news sample a window, the teacher's MLPs frozen in the student); --tiny still shrinks them."""
+    out = tmp_path / "out"
+    settings = ROOT / "configs" / "real_hybrid_target.yaml"
+    cmd = [sys.executable, str(ROOT / "scripts" / "real_default.py"), "--teacher", str(teacher_dir),
+           "--corpus", str(article_corpus), "--out", str(out), "--settings", str(settings), "--tiny"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len((out / "news.jsonl").read_text().splitlines()) == 8  # 1 sample of each of the 8 windows
+    assert json.loads((out / "configs" / "student.json").read_text())["freeze"] == ["mlp"]
+    assert len(json.loads((out / "report.json").read_text())["redrafter"]["top1"]) == 2
+    missing = subprocess.run(cmd[:-2] + [str(tmp_path / "none.yaml")], capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr.strip() == f"error: no settings file {tmp_path / 'none.yaml'}"
