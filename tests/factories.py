@@ -196,3 +196,46 @@ GPU_BACKENDS = [
     pytest.param("metal", marks=pytest.mark.skipif(not mx.metal.is_available(), reason="Metal not available (needs an Apple-silicon Mac)")),
     pytest.param("cuda", marks=pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX CUDA backend not available")),
 ]
+
+
+def check_placed_against_eager(model, parents: list[int], path: list[int]):
+    """Three verification passes of the tree `parents` after a 250-token prefix, eager on one cache
+    and placed on the device (`Tree.at`, as greedy passes run) on another, each followed by
+    accepting path's first 2, 3, 4 nodes: the same logits, hidden states and held keys/values or
+    per-node states (atol 1e-5), and at the end the same caches. The second pass needs a bigger
+    KV buffer."""
+    import numpy as np
+
+    from mlx_hybrid.cache import KVCache, accept_path
+    from mlx_hybrid.speculative.tree import Tree
+
+    def held(c, node):
+        return list(c.pending[1:]) if isinstance(c, KVCache) else c.pending(node)
+
+    def kept(c):
+        return [c.keys[..., : c.size, :], c.values[..., : c.size, :]] if isinstance(c, KVCache) else c.arrays
+
+    rng = np.random.default_rng(5)
+    vocab = model.args.vocab_size
+    caches = [model.make_cache(), model.make_cache()]
+    prefix = mx.array([rng.integers(0, vocab, 250).tolist()])
+    for cache in caches:
+        model(prefix, cache)
+    for step in range(3):
+        tokens = mx.array([rng.integers(0, vocab, len(parents)).tolist()])
+        offset = caches[0][0].offset
+        tree = Tree.from_parents(parents)
+        want = model(tokens, caches[0], return_hidden=True, tree=tree)
+        got = model(tokens, caches[1], return_hidden=True, tree=tree.at(mx.array([offset], mx.int32), offset))
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5, err_msg=f"pass {step}")
+        accepted = path[: step + 2]
+        for c0, c1 in zip(*caches):
+            for g, w in zip(held(c1, accepted[-1]), held(c0, accepted[-1])):
+                np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5, err_msg=f"pass {step}")
+        for cache in caches:
+            accept_path(cache, accepted)
+    for c0, c1 in zip(*caches):
+        assert c0.offset == c1.offset
+        for g, w in zip(kept(c1), kept(c0)):
+            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5)

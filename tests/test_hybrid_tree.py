@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import cuda_emulator
-from factories import GPU_BACKENDS, make_hybrid_dir
+from factories import GPU_BACKENDS, check_placed_against_eager, make_hybrid_dir
 
-from mlx_hybrid.cache import KVCache, StateCache, accept_path
+from mlx_hybrid.cache import StateCache
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.models.hybrid import ancestor_index
 from mlx_hybrid.speculative.tree import Tree, path_to
@@ -123,33 +123,7 @@ def test_placed_hybrid_pass_equals_the_eager_pass(tmp_path, monkeypatch, backend
             monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")
         mx.disable_compile()
     try:
-        rng = np.random.default_rng(5)
-        vocab = model.args.vocab_size
-        prefix = rng.integers(0, vocab, 250).tolist()
-        caches = [model.make_cache(), model.make_cache()]
-        for cache in caches:
-            model(mx.array([prefix]), cache)
-        for step in range(3):  # 250 + 7 rows: the second pass needs a bigger buffer
-            tokens = mx.array([rng.integers(0, vocab, len(TREE)).tolist()])
-            offset = caches[0][0].offset
-            tree = Tree.from_parents(TREE)
-            want = model(tokens, caches[0], return_hidden=True, tree=tree)
-            got = model(tokens, caches[1], return_hidden=True, tree=tree.at(mx.array([offset], mx.int32), offset))
-            for g, w in zip(got, want):
-                np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5, err_msg=f"pass {step}")
-            path = path_to(TREE, 8)[: step + 2]
-            for c0, c1 in zip(*caches):
-                if isinstance(c0, KVCache):
-                    np.testing.assert_allclose(np.array(c1.pending[1]), np.array(c0.pending[1]), atol=1e-5)
-                else:
-                    for g, w in zip(c1.pending(path[-1]), c0.pending(path[-1])):
-                        np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5)
-            for cache in caches:
-                accept_path(cache, path)
+        check_placed_against_eager(model, TREE, path_to(TREE, 8))
         assert model._placed_tree_fn is not None  # the placed passes took the compiled route
-        for c0, c1 in zip(*caches):
-            assert c0.offset == c1.offset
-            for g, w in zip(c1.state, c0.state):
-                np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5)
     finally:
         mx.enable_compile()

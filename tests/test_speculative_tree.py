@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import cuda_emulator
-from factories import GPU_BACKENDS, make_hf_model_dir
+from factories import GPU_BACKENDS, check_placed_against_eager, make_hf_model_dir
 
 from mlx_hybrid.cache import KVCache, accept_on_device, accept_path
 from mlx_hybrid.loader import load_model
@@ -356,29 +356,8 @@ def test_placed_tree_pass_equals_the_eager_pass(model):
     """A tree placed on the device (`Tree.at`, as greedy passes run) goes through the compiled
     pass on a cache without a window (Mistral's takes the eager one): the same logits, hidden
     states and held keys as the eager pass (atol 1e-5), over passes that grow the buffer."""
-    rng = np.random.default_rng(5)
-    vocab = model.args.vocab_size
-    prefix = rng.integers(0, vocab, 250).tolist()
-    caches = [model.make_cache(), model.make_cache()]
-    for cache in caches:
-        model(mx.array([prefix]), cache)
-    for step in range(3):  # 250 + 7 rows: the second pass needs a bigger buffer
-        tokens = mx.array([rng.integers(0, vocab, len(PARENTS)).tolist()])
-        offset = caches[0][0].offset
-        tree = Tree.from_parents(PARENTS)
-        want = model(tokens, caches[0], return_hidden=True, tree=tree)
-        got = model(tokens, caches[1], return_hidden=True, tree=tree.at(mx.array([offset], mx.int32), offset))
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5, err_msg=f"pass {step}")
-        for c0, c1 in zip(*caches):
-            np.testing.assert_allclose(np.array(c1.pending[1]), np.array(c0.pending[1]), atol=1e-5)
-        path = [0, 1, 4, 6][: step + 2]
-        for cache in caches:
-            accept_path(cache, path)
+    check_placed_against_eager(model, PARENTS, [0, 1, 4, 6])
     assert (model._placed_tree_fn is not None) == (model.args.sliding_window is None)
-    for c0, c1 in zip(*caches):
-        assert c0.offset == c1.offset
-        np.testing.assert_allclose(np.array(c1.keys[..., : c1.offset, :]), np.array(c0.keys[..., : c0.offset, :]), atol=1e-5)
 
 
 def test_chain_pass_then_accept_is_a_trim(model, exact_float32):
