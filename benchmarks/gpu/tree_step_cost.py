@@ -40,7 +40,7 @@ def beams(width: int, length: int = 5) -> list[int]:
     return parents
 
 
-shape = {k: v for k, v in SYNTHETIC["smollm2-135m"].items()}
+shape = SYNTHETIC["smollm2-135m"]
 n = shape["num_hidden_layers"]
 out = {"backend": kernel_backend(), "passes": {}, "mamba2_step": {}}
 for name, kinds in (("llama", ["attention"] * n), ("hybrid", ["attention" if i % 2 == 0 else "mamba2" for i in range(n)])):
