@@ -1,5 +1,5 @@
 // Fused Mamba/Mamba2 step, CUDA body for mx.fast.cuda_kernel (MLX writes the signature).
-// Line-for-line twin of ssm_step.metal: only the thread index and exp/log lines differ.
+// Line-for-line twin of ssm_step.metal: only the thread index, shuffle and exp/log lines differ.
 // Causal conv, silu, softplus(dt), the selective-scan update, D skip and the silu(z) gate in
 // one launch, for TN tokens that form a tree: TN = 1 is the decode step, more are the
 // candidates of a verification pass (each node continues its parent; a launch-bound GPU pays
@@ -8,18 +8,23 @@
 // its bias; window (batch, K-1, WC): the conv inputs before the tree; conv_w (WC, K); conv_b
 // (WC); dt_bias, A_log, D; state (batch, N, DI); parents (TN): parents[t] < t, -1 for the
 // cached state. Outputs g (batch, TN, DI): the gated outputs; window_out (batch, TN, K-1, WC)
-// and state_out (batch, TN, N, DI): the window and state after each node. Template: T, N, R
-// (KV-group repeats), K, MAMBA2, DI, DXB, and the offsets OX, OZ, OB, OC of x, z, B, C in u.
-// Thread c of sequence b owns channel c of head c/N for every node, in node order, so the
-// parent state it reads back is one it wrote itself.
+// and state_out (batch, TN, N, DI): the window and state after each node. Template: T, N, S
+// (threads a channel, a power of two <= 32), R (KV-group repeats), K, MAMBA2, DI, DXB, and the
+// offsets OX, OZ, OB, OC of x, z, B, C in u.
+// The S threads of channel c (neighbours in one SIMD group) split its N state rows: thread lane
+// owns rows lane, lane + S, ... for every node, in node order, so the parent state it reads back is
+// one it wrote itself; y is summed over the S threads by shuffles. Nodes are serial, so a
+// thread a state row (not a channel) keeps the chain short: a 21-node pass of one thread a
+// channel walked 64 rows a node (43 us a node a layer on an H100, benchmarks/README.md).
 // Mamba2 convolves [x, B, C] before the KV-group expansion (conv channel j reads u[OX + j]);
 // Mamba convolves the expanded x only, and reads B and C as they are.
-const int c = blockIdx.x * blockDim.x + threadIdx.x;
+const int i = blockIdx.x * blockDim.x + threadIdx.x;
 const int b = blockIdx.y * blockDim.y + threadIdx.y;
-const int batch = u_shape[0];
-if (c >= DI || b >= batch) {
-  return;
-}
+// A thread past the last channel (CUDA rounds the grid up to whole blocks) computes channel
+// DI - 1 without writing it: every thread of a SIMD group must take part in the shuffles.
+const bool live = i < DI * S;
+const int c = live ? i / S : DI - 1;
+const int lane = i % S;
 const int TN = u_shape[1];
 const int P = u_shape[2];
 const int WC = window_shape[2];
@@ -52,7 +57,7 @@ for (int t = 0; t < TN; ++t) {
   float dA = MAMBA2 ? expf(-expf(A_log[head]) * dtt) : 0.0f;  // Mamba2: one decay per head
   const int p = parents[t];
   float yt = 0.0f;
-  for (int n = 0; n < N; ++n) {
+  for (int n = lane; n < N; n += S) {
     float Bn;
     float Cn;
     if (MAMBA2) {  // B and C go through the conv and silu too
@@ -75,15 +80,22 @@ for (int t = 0; t < TN; ++t) {
     }
     const float before = p < 0 ? state[(b * N + n) * DI + c] : state_out[((b * TN + p) * N + n) * DI + c];
     const float h = dA * before + dtt * Bn * xt;
-    state_out[((b * TN + t) * N + n) * DI + c] = h;
+    if (live) {
+      state_out[((b * TN + t) * N + n) * DI + c] = h;
+    }
     yt += Cn * h;
   }
+  for (int m = S / 2; m > 0; m /= 2) {
+    yt += __shfl_xor_sync(0xffffffff, yt, m);
+  }
   const float z = static_cast<float>(u[ub + OZ + c]);
-  g[(b * TN + t) * DI + c] = static_cast<T>((yt + Dc * xt) * z / (1.0f + expf(-z)));
+  if (live && lane == 0) {
+    g[(b * TN + t) * DI + c] = static_cast<T>((yt + Dc * xt) * z / (1.0f + expf(-z)));
+  }
   // The window after node t: its K-1 newest conv inputs, oldest first. Each conv channel has one
   // writer: Mamba's x channel c; for Mamba2 the first head of a KV group writes its x and B
-  // channels, every head its C.
-  for (int w = 0; w < 3; ++w) {
+  // channels, every head its C. Thread lane of the channel writes the w-th of them, w = lane, lane + S, ...
+  for (int w = lane; w < 3 && live; w += S) {
     const int j = w == 0 ? xj : (w == 1 ? DXB + kvh * N + o : 2 * DXB + head * N + o);
     if ((w == 0 && (!MAMBA2 || head % R == 0)) || (MAMBA2 && w == 1 && head % R == 0) || (MAMBA2 && w == 2)) {
       for (int k = 0; k < K - 1; ++k) {

@@ -184,16 +184,17 @@ def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=No
     ox, oz, ob, oc = offsets
     dtype = u.dtype
     tree = parents is not None
+    lanes = min(32, 1 << (n.bit_length() - 1))  # threads a channel, each a share of its n state rows
     return load_kernel(
         backend, "ssm_step", ("u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state", "parents"),
         ("g", "window_out", "state_out"),
     )(
         inputs=[u, dt, window, conv_w.astype(dtype), conv_b.astype(dtype), dt_bias.astype(mx.float32),
                 A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32), parents if tree else _ROOT],
-        template=[("T", dtype), ("N", n), ("R", d // d_xb), ("K", K), ("MAMBA2", mamba2), ("DI", d), ("DXB", d_xb),
-                  ("OX", ox), ("OZ", oz), ("OB", ob), ("OC", oc)],
-        grid=(d, b, 1),
-        threadgroup=(min(64, d), 1, 1),
+        template=[("T", dtype), ("N", n), ("S", lanes), ("R", d // d_xb), ("K", K), ("MAMBA2", mamba2), ("DI", d),
+                  ("DXB", d_xb), ("OX", ox), ("OZ", oz), ("OB", ob), ("OC", oc)],
+        grid=(d * lanes, b, 1),
+        threadgroup=(min(128, -(-d * lanes // 32) * 32), 1, 1),  # whole SIMD groups: all take part in the shuffles
         output_shapes=[(b, TN, d), (b, TN, *window.shape[1:]) if tree else window.shape, (b, TN, n, d) if tree else state.shape],
         output_dtypes=[dtype, dtype, mx.float32],
     )

@@ -28,6 +28,7 @@ SPELLINGS = {
     "ssm_step": [
         ("blockIdx.x * blockDim.x + threadIdx.x", "thread_position_in_grid.x"),
         ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
+        ("__shfl_xor_sync(0xffffffff, yt, m)", "simd_shuffle_xor(yt, static_cast<ushort>(m))"),
     ],
     "beam_topk_chunks": BEAM_TOPK,
     "beam_topk_merge": BEAM_TOPK,
