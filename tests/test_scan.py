@@ -196,19 +196,21 @@ def test_kernel_matches_reference(backend, dtype):
 
 # ----------------------------------------------------------------------------- fused decode step
 
-STEP_SHAPES = list(itertools.product(["mamba", "mamba2"], [16, 64], [1, 4], [1, 3]))  # kind, n, repeats, batch
-HIDDEN = 512
+# kind, n, repeats, batch, hidden. Hidden 72 at n = 8: 72 x 8 kernel threads, not a whole number of
+# 128-thread blocks, so the threads past the last channel (which only join the shuffles) are run.
+STEP_SHAPES = [(*s, 512) for s in itertools.product(["mamba", "mamba2"], [16, 64], [1, 4], [1, 3])]
+STEP_SHAPES += [("mamba", 8, 3, 2, 72), ("mamba2", 8, 3, 1, 72)]
 
 
-def step_layer(kind, n, repeats, dtype, seed):
-    """A Mamba or Mamba2 mixer with random weights at trained-model magnitudes; hidden 512."""
+def step_layer(kind, n, repeats, dtype, seed, hidden):
+    """A Mamba or Mamba2 mixer with random weights at trained-model magnitudes."""
     from mlx_hybrid.models import hybrid
 
-    heads = HIDDEN // 64
+    heads = max(repeats, hidden // 64)
     args = hybrid.ModelArgs(
-        model_type="llama_hybrid", hidden_size=HIDDEN, num_hidden_layers=1, intermediate_size=64,
+        model_type="llama_hybrid", hidden_size=hidden, num_hidden_layers=1, intermediate_size=64,
         num_attention_heads=heads, num_key_value_heads=heads // repeats, vocab_size=8, d_state=n,
-        d_xb=HIDDEN // repeats, mixer_types=[kind],
+        d_xb=hidden // repeats, mixer_types=[kind],
     )
     layer = (hybrid.Mamba if kind == "mamba" else hybrid.Mamba2)(args)
     mx.random.seed(seed)
@@ -232,9 +234,9 @@ def check_step_parity(backend, dtype, monkeypatch):
 
     atol, rtol = PARITY_TOL[dtype]
     worst = 0.0
-    for kind, n, repeats, batch in STEP_SHAPES:
-        layer = step_layer(kind, n, repeats, dtype, seed=n + repeats + batch)
-        u = (mx.random.normal((batch, 6, HIDDEN)) * 0.5).astype(dtype)
+    for kind, n, repeats, batch, hidden in STEP_SHAPES:
+        layer = step_layer(kind, n, repeats, dtype, n + repeats + batch, hidden)
+        u = (mx.random.normal((batch, 6, hidden)) * 0.5).astype(dtype)
         fused, ref = StateCache(), StateCache()
         for t in range(6):
             with mx.stream(mx.gpu):
@@ -271,9 +273,9 @@ def check_tree_step_parity(dtype, kernel, monkeypatch, shapes=STEP_SHAPES):
 
     atol, rtol = PARITY_TOL[dtype]
     worst = 0.0
-    for kind, n, repeats, batch in shapes:
-        layer = step_layer(kind, n, repeats, dtype, seed=2 * n + repeats + batch)
-        u = (mx.random.normal((batch, 5 + len(STEP_TREE) + 2, HIDDEN)) * 0.5).astype(dtype)
+    for kind, n, repeats, batch, hidden in shapes:
+        layer = step_layer(kind, n, repeats, dtype, 2 * n + repeats + batch, hidden)
+        u = (mx.random.normal((batch, 5 + len(STEP_TREE) + 2, hidden)) * 0.5).astype(dtype)
         fused, ref = StateCache(), StateCache()
         monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
         layer(u[:, :5], ref)
@@ -331,5 +333,5 @@ def test_tree_step_cuda_body_on_the_cpu_matches_unfused_path(monkeypatch):
         monkeypatch.setattr(hybrid, "kernel_backend", lambda: "cuda")
         monkeypatch.setattr(scan, "load_kernel", cuda_emulator.load_kernel)
 
-    shapes = [("mamba", 16, 4, 2), ("mamba2", 16, 4, 2), ("mamba2", 64, 1, 1)]
+    shapes = [("mamba", 16, 4, 2, 512), ("mamba2", 16, 4, 2, 512), ("mamba2", 64, 1, 1, 512), *STEP_SHAPES[-2:]]
     check_tree_step_parity(mx.float32, emulated, monkeypatch, shapes)
