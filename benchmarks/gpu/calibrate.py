@@ -1,8 +1,9 @@
-"""Calibrate /tmp/mt's Medusa tree (NODES, default 24) on 24 held-out chat questions of the heads
-run (not the benchmark's: benchmarks/chat_prompts.txt). 24 nodes: the quickest Medusa tree in each
-of the thirteenth session's three H100 runs (16 to 63 nodes; benchmarks/README.md).
+"""Calibrate MODEL's Medusa tree (NODES, default 24; MODEL, default /tmp/mt) on 24 held-out chat
+questions of the heads run (not the benchmark's: benchmarks/chat_prompts.txt). 24 nodes: the
+quickest Medusa tree in each of the thirteenth session's three H100 runs (16 to 63 nodes;
+benchmarks/README.md).
 
-    python3 benchmarks/gpu/calibrate.py [NODES]
+    python3 benchmarks/gpu/calibrate.py [NODES] [MODEL]
 """
 import json
 import sys
@@ -12,7 +13,7 @@ from mlx_hybrid.chat import render_chat
 from mlx_hybrid.loader import load_model, load_tokenizer
 from mlx_hybrid.speculative.medusa import calibrate
 
-mt = Path("/tmp/mt")
+mt = Path(sys.argv[2] if len(sys.argv) > 2 else "/tmp/mt")
 model, tokenizer = load_model(mt), load_tokenizer(mt)
 benchmark = {q.strip().lower() for q in Path("benchmarks/chat_prompts.txt").read_text().splitlines()}
 questions = [json.loads(line)["prompt"] for line in open("/tmp/heads/chat-heldout-prompts.jsonl")]

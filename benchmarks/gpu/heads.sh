@@ -1,8 +1,10 @@
 # Start train_cuda/scripts/real_heads.py on the teacher in the background (about 12 minutes at the
-# yaml's 2500 steps a head set; `heads.sh STEPS` for another count); it outlives the call (setsid),
-# later calls run beside it.
+# yaml's 2500 steps a head set; `heads.sh STEPS` for another count, `heads.sh STEPS "medusa1, medusa2"`
+# for other stages than the yaml's); it outlives the call (setsid), later calls run beside it.
 source benchmarks/gpu/gguf.sh
 sed -i "s/^  steps: [0-9]*$/  steps: ${1:-2500}/" /tmp/rh/train_cuda/configs/real_heads.yaml
+[ -n "$2" ] && sed -i "s/^stages: \[[^]]*\]/stages: [$2]/" /tmp/rh/train_cuda/configs/real_heads.yaml
+grep "^stages" /tmp/rh/train_cuda/configs/real_heads.yaml
 cd /tmp/rh
 PYTHONPATH=/tmp/gsite setsid nohup python3 train_cuda/scripts/real_heads.py --base /tmp/smol.gguf --corpus /tmp/corpus \
   --out /tmp/heads > /tmp/heads.log 2>&1 < /dev/null &

@@ -5,10 +5,12 @@ source benchmarks/gpu/env.sh now
 wait=${1:-300}; shift $(( $# > 0 ? 1 : 0 ))
 for i in $(seq 1 $wait); do [ -f /tmp/heads/report.json ] && break; sleep 1; done
 cp /tmp/heads/report.json $OUT/heads_report.json || { tail -5 /tmp/heads.log; exit 1; }
-if [ ! -d /tmp/mt/redrafter ]; then
+if [ ! -d /tmp/mt ]; then
   (cd /tmp && python3 -m mlx_hybrid.cli.main convert /tmp/heads/base /tmp/mt --dtype bfloat16) || exit 1
-  cp -r /tmp/heads/medusa1/medusa /tmp/mt/medusa && cp -r /tmp/heads/redrafter/redrafter /tmp/mt/redrafter
-  python3 benchmarks/gpu/calibrate.py || exit 1
+  for heads in medusa1/medusa redrafter/redrafter; do  # the head sets the run's stages trained
+    [ -d /tmp/heads/$heads ] && cp -r /tmp/heads/$heads /tmp/mt/
+  done
+  [ -d /tmp/mt/medusa ] && { python3 benchmarks/gpu/calibrate.py || exit 1; }
 fi
 python3 benchmarks/speculative.py --model /tmp/mt --label 'NVIDIA H100, MLX CUDA backend' --beam 4x5 "$@"
 cp benchmarks/results/speculative-mt-chat-nvidia-h100-mlx-cuda-backend.* benchmarks/README.md $OUT/

@@ -10,7 +10,8 @@ Data: `pseudo-labels` of the base itself (Medusa's self-distillation; greedy for
 position's T-token greedy continuation is the sequence itself). With `eval_data` (held-out greedy
 pseudo-labels) each stage writes the top-1 accuracy of every head / drafted step to out/report.json.
 Exports in mlx_hybrid/speculative/FORMAT.md's layout: out/medusa/, out/redrafter/, and for Medusa-2
-the changed backbone with its heads, out/model/ + out/model/medusa/.
+the changed backbone with its heads, out/model/ + out/model/medusa/ (a Llama/Mistral base stays one:
+Hugging Face's format, `model.save_model`).
 """
 
 import json
@@ -26,7 +27,7 @@ from hybrid_train.errors import TrainError
 from hybrid_train.heads import (Drafter, MedusaHeads, MedusaLM, ahead_mask, examples_from, hidden_states, load_base,
                                 save_heads, top1_accuracy)
 from hybrid_train.losses import distill_loss, drafter_kd_loss, medusa_loss
-from hybrid_train.model import save_hybrid
+from hybrid_train.model import save_model
 from hybrid_train.teacher import load_tokenizer
 from hybrid_train.train import Dist, TrainConfig, train
 
@@ -155,7 +156,7 @@ def medusa2(cfg: Medusa2Config, resume: bool = False):
     began = time.time()
     model = train(cfg, model, examples, loss_fn, resume, env, label=f"medusa-2 ({cfg.num_heads} heads)", groups=groups)
     if env.main:
-        save_hybrid(model.base, Path(cfg.out) / "model", load_tokenizer(cfg.base))
+        save_model(model.base, Path(cfg.out) / "model", load_tokenizer(cfg.base))
         save_heads(model.heads, model.heads.config(), Path(cfg.out) / "model" / "medusa")
     _report(cfg, env, "medusa-2", model.base, len(examples), began, medusa=model.heads)
     env.barrier()

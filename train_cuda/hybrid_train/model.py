@@ -391,6 +391,16 @@ def save_hybrid(model, path: Path, tokenizer=None):
         tokenizer.save_pretrained(path)
 
 
+def save_model(model, path: Path, tokenizer=None):
+    """A model with every layer attention (e.g. Medusa-2's fine-tuned teacher) in Hugging Face's
+    format, so that it stays a Llama/Mistral to the runtime and to mlx-lm; a hybrid in ours."""
+    if getattr(model, "hybrid_args", None) is not None or set(mixer_types(model)) != {"attention"}:
+        return save_hybrid(model, path, tokenizer)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
 def save_adaptive(teacher, student, path: Path, order: list[int], max_layers: int | None = None, tokenizer=None):
     """Write a model whose layers in `order` run as attention or as DSLA, per request (runtime:
     mlx_hybrid/adaptive.py; format: "Adaptive DSLA conversion" in mlx_hybrid/checkpoint_format.md).

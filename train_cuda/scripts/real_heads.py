@@ -13,7 +13,9 @@ and most answers, and measure accuracy on the held-out continuations and the las
 from a config in OUT/configs/ (settings: configs/real_heads.yaml; --tiny shrinks them for a CPU
 test). A finished stage is skipped, so a killed run restarted with --resume goes on where it
 stopped. Results: OUT/report.json; heads in OUT/medusa1/medusa/ and OUT/redrafter/redrafter/
-(copy them into BASE's model directory as medusa/ and redrafter/, or pass their paths).
+(copy them into BASE's model directory as medusa/ and redrafter/, or pass their paths). With
+`medusa2` among the settings' `stages`, Medusa-2 then trains the base with Medusa-1's heads:
+OUT/medusa2/model/ is the changed base, its heads in OUT/medusa2/model/medusa/.
 """
 
 import json
@@ -36,7 +38,8 @@ TINY = {  # sizes for the CPU test of this script
     "pseudo-labels": {"max_new_tokens": 16, "batch_size": 4},
     "chat": {"questions": 8, "question_batch_size": 4, "max_question_tokens": 12, "ended_only": False, "min_chars": 1,
              "heldout": 2, "max_new_tokens": 12, "batch_size": 4},
-    "medusa": {"num_heads": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+    "medusa1": {"num_heads": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+    "medusa2": {"num_heads": 3, "steps": 2, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "redrafter": {"draft_steps": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
 }
 
@@ -77,11 +80,13 @@ def run(args) -> int:
     heldout = merge([labels["heldout"], labels["chat-heldout"]], out / "eval.jsonl")
 
     reports = {}
-    for kind, name in (("medusa", "medusa1"), ("redrafter", "redrafter")):
+    for name in settings["stages"]:
+        kind = {"medusa1": "medusa"}.get(name, name)
         report = out / name / "report.json"
         if not report.is_file():
-            cfg = dict(settings[kind], base=str(base), data=str(train), eval_data=str(heldout),
-                       out=str(out / name))
+            cfg = dict(settings[name], base=str(base), data=str(train), eval_data=str(heldout), out=str(out / name))
+            if name == "medusa2":  # the paper's two stages: Medusa-1's heads, then heads and backbone together
+                cfg["init_heads"] = str(out / "medusa1" / "medusa")
             stage(name, cfg, out, args.resume, timings, kind=kind)
         reports[name] = json.loads(report.read_text())
 
@@ -94,8 +99,7 @@ def run(args) -> int:
         "train_sequences": count(train),
         "heldout_sequences": count(heldout),
         "chat_questions": len(kept),
-        "medusa1": reports["medusa1"]["heldout"],
-        "redrafter": reports["redrafter"]["heldout"],
+        **{name: r["heldout"] for name, r in reports.items()},
     }
     return finish(out, report, timings, began)
 

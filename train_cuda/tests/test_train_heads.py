@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import SENTENCES, write_config
 from safetensors.torch import load_file
 
@@ -114,7 +115,8 @@ def test_stage_lowers_its_loss_and_reports_accuracy(tmp_path, teacher_dir, greed
         # The KL to the original is 0 before the backbone moves: it stays frozen during the heads' warm-up.
         assert losses(tmp_path / "o", "kl")[:2] == [0.0, 0.0] and losses(tmp_path / "o", "kl")[-1] > 0
         assert 0 <= report["base_top1"] <= 1  # the changed backbone's agreement with the original's greedy tokens
-        # The runtime reads the changed backbone with its heads beside it.
+        # The changed backbone stays a Llama (Hugging Face's format), which the runtime reads with its heads beside it.
+        assert json.loads((tmp_path / "o" / "model" / "config.json").read_text())["model_type"] == "llama"
         from mlx_hybrid.loader import load_model
         from mlx_hybrid.speculative.generate import load_proposer
 
@@ -263,16 +265,21 @@ def test_heads_on_a_hybrid_base(tmp_path, teacher_dir, prompts):
 def test_real_heads_script(tmp_path, teacher_dir, article_corpus):
     corpus = article_corpus
     out = tmp_path / "out"
+    settings = yaml.safe_load((ROOT / "configs" / "real_heads.yaml").read_text())
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(dict(settings, stages=["medusa1", "redrafter", "medusa2"])))
     cmd = [sys.executable, str(ROOT / "scripts" / "real_heads.py"), "--base", str(teacher_dir), "--corpus", str(corpus),
-           "--out", str(out), "--tiny"]
+           "--out", str(out), "--tiny", "--settings", str(tmp_path / "s.yaml")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert len(report["medusa1"]["top1"]) == 3 and len(report["redrafter"]["top1"]) == 3
+    assert len(report["medusa2"]["top1"]) == 3 and 0 <= report["medusa2"]["base_top1"] <= 1
+    assert json.loads((out / "configs" / "medusa2.json").read_text())["init_heads"] == str(out / "medusa1" / "medusa")
     # 8 news windows and 4 held out, plus the base's own questions: the last 2 held out, the rest trained on.
     asked = report["chat_questions"]
     assert asked > 2 and report["train_sequences"] == 8 + asked - 2 and report["heldout_sequences"] == 4 + 2
     assert len((out / "chat.jsonl").read_text().splitlines()) == asked - 2
     assert set(report["seconds"]) == {"pseudo-labels-prompts", "pseudo-labels-heldout", "questions", "pseudo-labels-chat",
-                                      "pseudo-labels-chat-heldout", "medusa1", "redrafter", "total"}
+                                      "pseudo-labels-chat-heldout", "medusa1", "redrafter", "medusa2", "total"}
     assert (out / "medusa1" / "medusa" / "config.json").is_file() and (out / "redrafter" / "redrafter" / "config.json").is_file()
+    assert (out / "medusa2" / "model" / "medusa" / "config.json").is_file()
