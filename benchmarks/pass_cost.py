@@ -14,9 +14,11 @@ a new directory: random weights in SmolLM2-135M's shape with untrained heads
 (milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
 target as `hybrid convert` does by default. Prints JSON. --passes: only the pipelined decode
 step and passes, for each variant of the pass (the per-row path's byte budget, the placed-tree
-pass compiled or eager), the variants interleaved in 3 rounds.
+pass compiled or eager), the variants interleaved in 3 rounds. --split: only the pipelined
+decode step and passes in 5 rounds, each split into the host's building, dispatching and waiting
+(a loop that waits is bound by the device, one that does not by the host).
 
-    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes]
+    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes | --split]
     python benchmarks/pass_cost.py mlx_hybrid/data/default
 """
 import sys, time, json
@@ -39,7 +41,8 @@ from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 
 passes_only = "--passes" in sys.argv
-argv = [a for a in sys.argv if a != "--passes"]
+split_only = "--split" in sys.argv
+argv = [a for a in sys.argv if a not in ("--passes", "--split")]
 d = Path(argv[1])
 if not (d / "config.json").is_file():  # a synthetic target, with untrained heads beside it
     make_synthetic("smollm2-135m", d, seed=0)
@@ -81,6 +84,30 @@ with mx.stream(generation_stream):
         for method, p in proposers.items():
             out[f"{method}_pass_pipelined{suffix}"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
             trim_cache(cache, cache[0].offset - 256)
+    if split_only:
+        # Each pipelined step or pass as the host spends it: building its graph (Python, MLX),
+        # dispatching it (`mx.async_eval`: MLX encodes and launches its kernels on this thread),
+        # then waiting for the one before (the device's time that the host's does not hide).
+        stamps, dispatch = [], mx.async_eval
+        def stamped(*arrays):
+            t = time.perf_counter(); dispatch(*arrays); stamps.append((t, time.perf_counter()))
+        mx.async_eval = stamped
+        def split(steps, n=40):
+            next(steps)
+            parts = []
+            for _ in range(n):
+                t0 = time.perf_counter(); next(steps); t1 = time.perf_counter()
+                a0, a1 = stamps[-1]
+                parts.append((a0 - t0, a1 - a0, t1 - a1, t1 - t0))
+            steps.close()
+            return {k: round(1000 * median(p[i] for p in parts), 3) for i, k in enumerate(("build", "dispatch", "wait", "total"))}
+        for r in range(5):
+            out[f"decode_r{r}"] = split(generate_step(mx.array([5]), model, cache, lambda x: mx.argmax(x, -1), max_tokens=50))
+            trim_cache(cache, cache[0].offset - 256)
+            for method, p in proposers.items():
+                out[f"{method}_r{r}"] = split(_greedy_passes(model, p, cache, 7, hidden), 20)
+                trim_cache(cache, cache[0].offset - 256)
+        print(json.dumps(out, indent=1)); sys.exit()
     # The pass's variants, interleaved in rounds: the projections' per-row path under each byte
     # budget (0: MLX's matmuls), with and without the compiled placed-tree pass (llama.Model).
     variants = [(f"_rows{rb >> 20}mb{'' if c else '_eager'}", rb, c) for rb in (0, 24 << 20, 128 << 20) for c in (True, False)]

@@ -5,8 +5,10 @@ One process, one backend, the same weights for everything: this runtime's plain 
 its Medusa, ReDrafter and draft-model speculation, and mlx-lm's plain and draft-model
 (`speculative_generate_step`) decoding. Greedy, exactly --gen-tokens tokens after a fixed-seed
 prompt (--model: real news prompts held out from tuning; --synthetic: random tokens); each runner is
-warmed up once, then the trials are interleaved (median). Decode
-tokens/s = (tokens - 1) / time from the first to the last token, as in benchmarks/run.py.
+warmed up once, then each trial runs them prompt by prompt, in turn. Decode
+tokens/s = (tokens - 1) / time from the first to the last token, as in benchmarks/run.py (median
+of the trials); "vs mlx-hybrid plain" is the median of each trial's ratio to that trial's plain
+decoding.
 "same tokens" checks each method's output against our plain greedy tokens.
 
 --model DIR takes a target with its `medusa/`, `redrafter/` and `draft/` subdirectories
@@ -237,18 +239,24 @@ def main(argv=None) -> int:
         for i, prompt in enumerate(prompts):
             reference.setdefault(i, fn(prompt, args.gen_tokens)[0])
     for _ in range(args.trials):
-        for name, fn in run.items():
-            results = [fn(prompt, args.gen_tokens) for prompt in prompts]
-            tokens, secs = sum(len(t) - 1 for t, _, _ in results), sum(s for _, s, _ in results)
-            steps = sum(k - 1 for _, _, k in results)
-            same = all(t == reference[i] for i, (t, _, _) in enumerate(results))
+        # Prompt by prompt, every runner in turn: on a host whose speed drifts from second to
+        # second (the lent H100's), runners compared within a trial then ran under the same drift.
+        results = {name: [] for name in run}
+        for prompt in prompts:
+            for name, fn in run.items():
+                results[name].append(fn(prompt, args.gen_tokens))
+        for name, rs in results.items():
+            tokens, secs = sum(len(t) - 1 for t, _, _ in rs), sum(s for _, s, _ in rs)
+            steps = sum(k - 1 for _, _, k in rs)
+            same = all(t == reference[i] for i, (t, _, _) in enumerate(rs))
             trials[name].append(dict(tps=tokens / secs, tokens_per_step=tokens / max(steps, 1), same=same))
-    base = median(t["tps"] for t in trials["mlx-hybrid plain"])
+    plain = [t["tps"] for t in trials["mlx-hybrid plain"]]
     rows = []
     for name, ts in trials.items():
         tps = median(t["tps"] for t in ts)
+        speedup = median(t["tps"] / p for t, p in zip(ts, plain))  # paired: each trial against its own plain run
         per_step = median(t["tokens_per_step"] for t in ts) if "plain" not in name else 1.0
-        rows.append(dict(method=name, tps=tps, speedup=tps / base, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
+        rows.append(dict(method=name, tps=tps, speedup=speedup, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
     command = "python benchmarks/speculative.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
                   dtype=str(compute_dtype(ours)).split(".")[-1], args={k: str(v) for k, v in vars(args).items()},
@@ -259,7 +267,8 @@ def main(argv=None) -> int:
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
 
     lines = [f"<!-- results:{slug} -->", f"### Speculative decoding: {result['model']}, {result['dtype']}, {label}", "",
-             f"`{command}` (greedy, {args.gen_tokens} tokens after {prompt_desc}, median of {args.trials})", "",
+             f"`{command}` (greedy, {args.gen_tokens} tokens after {prompt_desc}, median of {args.trials} trials, "
+             "the runners in turn on each prompt; speedup: the median of each trial's ratio)", "",
              *([] if "mlx-lm plain" in run else ["mlx-lm cannot load this model (a hybrid: it has no Mamba/DSLA layers), so it has no rows.", ""]),
              "| method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | ms / target pass | same tokens |",
              "| --- | ---: | ---: | ---: | ---: | :---: |"]

@@ -1,4 +1,4 @@
-# Start train_cuda/scripts/real_heads.py on the teacher in the background (about 12 minutes at the
+# Start train_cuda/scripts/real_heads.py on the teacher in the background (about 13 minutes at the
 # yaml's 2500 steps a head set; `heads.sh STEPS` for another count, `heads.sh STEPS "medusa1, medusa2"`
 # for other stages than the yaml's); it outlives the call (setsid), later calls run beside it.
 source benchmarks/gpu/gguf.sh
