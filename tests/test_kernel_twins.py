@@ -42,7 +42,7 @@ SPELLINGS = {
         ("threadIdx.x", "thread_position_in_threadgroup.x"),
         ("__shared__ ", "threadgroup "),
         ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
-        ("for (int o = 16; o > 0; o /= 2) { s += __shfl_xor_sync(0xffffffff, s, o); }", "s = simd_sum(s);"),
+        ("for (int o = 16; o > 0; o /= 2) { s[r] += __shfl_xor_sync(0xffffffff, s[r], o); }", "s[r] = simd_sum(s[r]);"),
     ],
 }
 

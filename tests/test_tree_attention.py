@@ -17,7 +17,7 @@ from factories import GPU_BACKENDS, make_hf_model_dir
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.speculative.tree import Tree, ancestor_mask
-from mlx_hybrid.tree_attention import tree_attention, tree_attention_ref
+from mlx_hybrid.tree_attention import ROWS, tree_attention, tree_attention_ref
 
 # Parent-before-child order: a Medusa-like tree, a chain, and a packed beam whose last two nodes
 # are padding roots (parent -1, reached by no beam).
@@ -93,7 +93,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
         q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=10 + i)
         S = k.shape[2]
         lanes = -(-D // 32)
-        warps = max(4, lanes)
+        warps = max(8, lanes)
         (got,) = cuda_emulator.run(
             body,
             inputs=[
@@ -107,7 +107,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
                 ("scale", np.array([D**-0.5], np.float32), None),
             ],
             outputs=[("out", (1, T, H, D))],
-            template=[("T", "float"), ("H", H), ("R", H // KV), ("TN", T), ("D", D), ("E", lanes), ("NW", warps)],
+            template=[("T", "float"), ("H", H), ("R", H // KV), ("TN", T), ("D", D), ("E", lanes), ("NW", warps), ("B", ROWS)],
             blocks=T * H,
             threads=warps * 32,
         )
