@@ -420,6 +420,22 @@ def test_redrafter_layout_matches_pytorch_reference(target, tmp_path, exit_dim, 
     np.testing.assert_allclose(np.array(drafter.logits(mx.array(h), state)), want_logits.numpy(), atol=1e-5)
 
 
+def test_heads_run_in_the_target_dtype(target, tmp_path):
+    """Heads saved in float32 (as train_cuda/ saves them) load in the target's dtype unless asked
+    otherwise: a float32 Medusa head set on a half-precision target would read twice the bytes."""
+    path, _, _ = target
+    half = load_model(path, "bfloat16")
+    H, V = half.args.hidden_size, half.args.vocab_size
+    _save(_torch_medusa(H, V, 2, 1), tmp_path / "medusa", dict(model_type="medusa", medusa_num_heads=2, medusa_num_layers=1, hidden_size=H, vocab_size=V))
+    E = 2 * H
+    _save(_torch_drafter(H, V, E, 1), tmp_path / "redrafter",
+          dict(model_type="recurrent_drafting_drafter", hidden_size=H, vocab_size=V, exit_dim=E, num_draft_layers=1, rnn=True))
+    for module in (load_medusa(tmp_path / "medusa", half), load_redrafter(tmp_path / "redrafter", half)):
+        assert {p.dtype for _, p in tree_flatten(module.parameters())} == {mx.bfloat16}
+    asked = load_medusa(tmp_path / "medusa", half, "float32")
+    assert {p.dtype for _, p in tree_flatten(asked.parameters())} == {mx.float32}
+
+
 def test_bad_heads_directories(target, tmp_path):
     path, model, _ = target
     with pytest.raises(HybridError, match="directory not found"):

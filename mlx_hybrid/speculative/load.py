@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.loader import compute_dtype, load_weights, read_config_json, set_weights
+from mlx_hybrid.loader import DTYPES, load_weights, read_config_json, set_weights
 
 
 def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
@@ -24,13 +24,23 @@ def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
     return config
 
 
-def load_into(module: nn.Module, path: Path, config: dict, dtype: str | None = None) -> nn.Module:
-    """Load path's *.safetensors into module (quantized layers where the files hold scales)."""
+def load_into(module: nn.Module, path: Path, config: dict, target: nn.Module, dtype: str | None = None) -> nn.Module:
+    """Load path's *.safetensors into module (quantized layers where the files hold scales), float
+    tensors cast to dtype, by default the target's (`target_dtype`)."""
     weights = load_weights(path)
     if config.get("quantization"):
         q = config["quantization"]
         nn.quantize(module, q["group_size"], q["bits"], class_predicate=lambda p, m: f"{p}.scales" in weights)
-    return set_weights(module, path, weights, dtype or compute_dtype())
+    return set_weights(module, path, weights, dtype or target_dtype(target))
+
+
+def target_dtype(target: nn.Module) -> str:
+    """The float dtype the target computes in (its embedding's, or a quantized one's scales'):
+    heads run in it, since train_cuda/ saves them in float32, which on a bfloat16 target would
+    read twice the bytes a draft needs (Medusa's four LM heads: 450 MB a pass for SmolLM2-135M)."""
+    embed = target.model.embed_tokens
+    dtype = getattr(embed, "scales", embed.weight).dtype
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 def check_target(path: Path, config: dict, target: nn.Module):

@@ -97,7 +97,7 @@ def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -
             raise HybridError(f"{path / 'config.json'}: bad medusa_choices ({e})") from None
         if tree.num_heads > heads.config.medusa_num_heads:
             raise HybridError(f"{path / 'config.json'}: medusa_choices go {tree.num_heads} heads deep, there are fewer")
-    return load_into(heads, path, config, dtype)
+    return load_into(heads, path, config, target, dtype)
 
 
 class MedusaProposer:

@@ -117,7 +117,7 @@ def load_redrafter(path: str | Path, target: nn.Module, dtype: str | None = None
     config = read_config(path, "recurrent_drafting_drafter", ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn"))
     check_target(path, config, target)
     drafter = Drafter(DrafterConfig.from_dict(config))
-    return load_into(drafter, path, config, dtype)
+    return load_into(drafter, path, config, target, dtype)
 
 
 def trims_padding() -> bool:
