@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""The device's side of a plain decode step and of each method's greedy pass: every CUDA kernel
+the process runs, recorded by PyTorch's profiler (CUPTI sees MLX's kernels as well as torch's),
+per step or pass.
+
+`pass_cost.py --split` shows the host's side; this shows whether the device keeps up: per loop,
+the wall time a step or pass takes as the loops run them (host and device overlapped), the
+device's busy time (the union of kernel intervals) and the sum of kernel times in it, the kernels
+launched, and the kernels that take the most time. A loop whose busy time is close to its wall
+time is bound by the device.
+
+MODEL: a model directory with its medusa/ and/or redrafter/, or a new directory for random
+weights in SmolLM2-135M's shape with untrained heads (`speculative.py`'s). Prints JSON.
+
+    python3 benchmarks/gpu/kernel_profile.py /tmp/mt [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16]
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch  # first: its CUDA libraries load before MLX's
+from torch.profiler import ProfilerActivity, profile
+
+import mlx.core as mx  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
+from run import make_synthetic  # noqa: E402
+from speculative import write_heads  # noqa: E402
+
+from mlx_hybrid.cache import trim_cache  # noqa: E402
+from mlx_hybrid.generate import generate_step, generation_stream, prefill  # noqa: E402
+from mlx_hybrid.loader import load_model  # noqa: E402
+from mlx_hybrid.profiles import Settings  # noqa: E402
+from mlx_hybrid.speculative.generate import _greedy_passes, load_proposer  # noqa: E402
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_events(prof) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+
+
+def summarize(events: list[dict], items: int, wall_ms: float, top: int = 12) -> dict:
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    busy, end = 0.0, float("-inf")
+    for s, t in spans:  # the union of the intervals
+        if t > end:
+            busy += t - max(s, end)
+            end = t
+    names = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        names[e["name"][:90]][0] += 1
+        names[e["name"][:90]][1] += e["dur"]
+    ranked = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "wall_ms": round(wall_ms, 3),
+        "busy_ms": round(busy / 1000 / items, 3),
+        "kernel_ms": round(sum(e["dur"] for e in events) / 1000 / items, 3),
+        "kernels": round(len(events) / items, 1),
+        "top": [{"name": n, "per_item": round(c / items, 2), "us": round(d / items, 1)} for n, (c, d) in ranked],
+    }
+
+
+def profiled(make_steps, items: int) -> dict:
+    steps = make_steps()
+    for _ in range(10):  # warm: kernels compiled, traces made
+        next(steps)
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: no device rows
+    with profile(activities=[activity]) as prof:
+        next(steps)
+        t = time.perf_counter()
+        for _ in range(items):
+            next(steps)
+        wall = (time.perf_counter() - t) / items * 1000
+    steps.close()
+    return summarize(device_events(prof), items + 1, wall)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", type=Path)
+    p.add_argument("--dtype", default=None, help="cast the target (e.g. bfloat16); default: as stored")
+    p.add_argument("--heads-dtype", default=None, help="cast the heads and drafter; default: as stored")
+    p.add_argument("--tree-size", type=int, default=0, help="Medusa tree size (default: its own tree)")
+    p.add_argument("--beam", default="", help="ReDrafter beams WxL[,WxL...] (default: its own)")
+    p.add_argument("--items", type=int, default=30)
+    args = p.parse_args(argv)
+
+    d = args.model
+    if not (d / "config.json").is_file():
+        make_synthetic("smollm2-135m", d, seed=0)
+        write_heads(d, load_model(d), 0, 2)
+    model = load_model(d, args.dtype)
+    V = model.args.vocab_size
+    variants = {}
+    if (d / "medusa").is_dir():
+        variants["medusa"] = ("medusa", Settings(tree_size=args.tree_size) if args.tree_size else None)
+    if (d / "redrafter").is_dir():
+        for b in args.beam.split(",") if args.beam else [""]:
+            w, l = (int(x) for x in b.split("x")) if b else (None, None)
+            variants[f"redrafter{' ' + b if b else ''}"] = ("redrafter", Settings(w, l) if b else None)
+    out = {"model": str(d), "dtype": str(model.model.embed_tokens.weight.dtype), "mlx": mx.__version__, "torch": torch.__version__}
+    with mx.stream(generation_stream):
+        cache = model.make_cache()
+        prefill(model, mx.random.randint(0, V, (256,), key=mx.random.key(0)), cache)
+        hidden = model(mx.array([[5]]), cache, return_hidden=True)[1][0, -1]
+        for c in cache:
+            c.trim(1)
+        mx.eval(hidden, [c.state for c in cache])
+        argmax = lambda x: mx.argmax(x, -1)  # noqa: E731
+        out["decode"] = profiled(lambda: generate_step(mx.array([5]), model, cache, argmax, max_tokens=10**6), args.items)
+        trim_cache(cache, cache[0].offset - 256)
+        for name, (method, settings) in variants.items():
+            proposer = load_proposer(method, model, d, settings=settings)
+            if args.heads_dtype:
+                module = proposer.heads if method == "medusa" else proposer.drafter
+                module.set_dtype(getattr(mx, args.heads_dtype))
+            out[name] = profiled(lambda: _greedy_passes(model, proposer, cache, 7, hidden), args.items)
+            trim_cache(cache, cache[0].offset - 256)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
