@@ -28,8 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import make_synthetic
-from speculative import write_heads
+from speculative import synthetic_target
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.generate import generate_step, prefill, generation_stream
 from mlx_hybrid.speculative.generate import _greedy_passes, load_proposer
@@ -43,10 +42,7 @@ from mlx_hybrid.tree_attention import tree_attention
 passes_only = "--passes" in sys.argv
 split_only = "--split" in sys.argv
 argv = [a for a in sys.argv if a not in ("--passes", "--split")]
-d = Path(argv[1])
-if not (d / "config.json").is_file():  # a synthetic target, with untrained heads beside it
-    make_synthetic("smollm2-135m", d, seed=0)
-    write_heads(d, load_model(d), 0, 2)
+d = synthetic_target(Path(argv[1]))  # made only where there is no model yet
 model = load_model(d)
 methods = [m for m in ("medusa", "redrafter") if (d / m).is_dir()]
 if len(argv) > 2:  # a quantized target, as `hybrid convert` writes by default

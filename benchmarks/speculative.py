@@ -42,9 +42,10 @@ from run import SYNTHETIC, device_description, make_synthetic, slugify, update_r
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
-from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
+from mlx_hybrid.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
+from mlx_hybrid.speculative.load import target_dtype  # noqa: E402
 from mlx_hybrid.tune import PROMPTS_FILE  # noqa: E402
 
 # Chat questions the SmolLM2 teacher wrote itself (Magpie) in the default model's training run
@@ -106,10 +107,13 @@ def timed(tokens_iter, n: int):
     return tokens, time.perf_counter() - first
 
 
-def compute_dtype(model) -> mx.Dtype:
-    """The float dtype the model computes in: its embedding's, or a quantized embedding's scales'."""
-    embed = model.model.embed_tokens
-    return getattr(embed, "scales", embed.weight).dtype
+def synthetic_target(d: Path) -> Path:
+    """d, made first where it has no model: random weights in SmolLM2-135M's shape with untrained
+    heads and a 2-layer draft beside them (`write_heads`), as the pass-cost tools use it."""
+    if not (d / "config.json").is_file():
+        make_synthetic("smollm2-135m", d, seed=0)
+        write_heads(d, load_model(d), 0, 2)
+    return d
 
 
 def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = ()):
@@ -119,7 +123,7 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.utils import load_model as lm_load_model
 
-    dtype = compute_dtype(ours)
+    dtype = DTYPES[target_dtype(ours)]
     cast = lambda m: m.update(mlx.utils.tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, m.parameters())) or m  # noqa: E731
     try:
         lm_target = cast(lm_load_model(target_dir)[0])
@@ -259,7 +263,7 @@ def main(argv=None) -> int:
         rows.append(dict(method=name, tps=tps, speedup=speedup, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
     command = "python benchmarks/speculative.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
-                  dtype=str(compute_dtype(ours)).split(".")[-1], args={k: str(v) for k, v in vars(args).items()},
+                  dtype=target_dtype(ours), args={k: str(v) for k, v in vars(args).items()},
                   rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     slug = slugify(f"speculative {args.synthetic or args.model.name} {'' if args.synthetic else args.prompt_set} {label}")
     out_dir = BENCH_DIR / "results"

@@ -30,8 +30,7 @@ import mlx.core as mx  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
-from run import make_synthetic  # noqa: E402
-from speculative import write_heads  # noqa: E402
+from speculative import synthetic_target  # noqa: E402
 
 from mlx_hybrid.cache import trim_cache  # noqa: E402
 from mlx_hybrid.generate import generate_step, generation_stream, prefill  # noqa: E402
@@ -95,10 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--items", type=int, default=30)
     args = p.parse_args(argv)
 
-    d = args.model
-    if not (d / "config.json").is_file():
-        make_synthetic("smollm2-135m", d, seed=0)
-        write_heads(d, load_model(d), 0, 2)
+    d = synthetic_target(args.model)
     model = load_model(d, args.dtype)
     V = model.args.vocab_size
     variants = {}

@@ -18,18 +18,14 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from run import make_synthetic  # noqa: E402
-from speculative import write_heads  # noqa: E402
+from speculative import synthetic_target  # noqa: E402
 
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
 
-d, out_path = Path(sys.argv[1]), Path(sys.argv[2])
-if not (d / "config.json").is_file():
-    make_synthetic("smollm2-135m", d, seed=0)
-    write_heads(d, load_model(d), 0, 2)
+d, out_path = synthetic_target(Path(sys.argv[1])), Path(sys.argv[2])
 model = load_model(d)
 prompt = mx.random.randint(0, model.args.vocab_size, (128,), key=mx.random.key(0)).tolist()
 argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
