@@ -116,9 +116,11 @@ def synthetic_target(d: Path) -> Path:
     return d
 
 
-def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = ()):
+def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = (),
+            heads_dtype: str | None = None):
     """name -> function(prompt, n) -> (tokens, seconds, target passes). ReDrafter runs with each
-    beam (the first named plainly), Medusa with its own tree and with each tree size."""
+    beam (the first named plainly), Medusa with its own tree and with each tree size; with
+    heads_dtype, each of those again with its heads in that dtype."""
     from mlx_lm.generate import generate_step as lm_generate_step
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.utils import load_model as lm_load_model
@@ -174,11 +176,13 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
         "redrafter": [("" if i == 0 else f" {w}x{l}", Settings(w, l)) for i, (w, l) in enumerate(beams)],
         "draft": [("", None)],
     }
+    dtypes = [(None, "")] + ([(heads_dtype, f" {heads_dtype} heads")] if heads_dtype else [])
     for method, settings in variants.items():
         if (target_dir / method).is_dir():
             for suffix, setting in settings:
-                proposer = load_proposer(method, ours, target_dir, num_draft=k, settings=setting)
-                out[f"mlx-hybrid {method}{suffix}"] = spec(proposer)
+                for dtype, named in dtypes if method != "draft" else dtypes[:1]:
+                    proposer = load_proposer(method, ours, target_dir, num_draft=k, settings=setting, heads_dtype=dtype)
+                    out[f"mlx-hybrid {method}{suffix}{named}"] = spec(proposer)
     if lm_draft is not None:
         out["mlx-lm draft"] = lm_spec
     return out
@@ -199,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--beam", default="4x4", help="ReDrafter beam width x length; several, comma-separated, give a row each")
     p.add_argument("--medusa-sizes", default="", help="Medusa tree sizes (comma-separated) to run beside its own tree, "
                    "each the greedy tree from the calibrated head accuracies")
+    p.add_argument("--heads-dtype", choices=sorted(DTYPES), default=None,
+                   help="run each Medusa and ReDrafter row again with the heads in this dtype (default: the target's only)")
     p.add_argument("--draft-layers", type=int, default=2, help="synthetic: layers of the truncated draft")
     p.add_argument("--work-dir", type=Path, default=BENCH_DIR / "results" / "models")
     p.add_argument("--label", default=None)
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
         lines = PROMPTS_FILE.read_text().splitlines()
         prompts = [tokenizer.encode(t) for t in lines[len(lines) // 2 :][: args.prompts]]
         prompt_desc = f"each of {len(prompts)} held-out news prompts"
-    run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes)
+    run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes, args.heads_dtype)
     trials = {name: [] for name in run}
     reference = {}
     for name, fn in run.items():  # warm-up; the reference tokens

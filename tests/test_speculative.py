@@ -434,6 +434,8 @@ def test_heads_run_in_the_target_dtype(target, tmp_path):
         assert {p.dtype for _, p in tree_flatten(module.parameters())} == {mx.bfloat16}
     asked = load_medusa(tmp_path / "medusa", half, "float32")
     assert {p.dtype for _, p in tree_flatten(asked.parameters())} == {mx.float32}
+    drafter = load_proposer("redrafter", half, tmp_path, heads_dtype="float32").drafter  # the benchmark's --heads-dtype
+    assert {p.dtype for _, p in tree_flatten(drafter.parameters())} == {mx.float32}
 
 
 def test_bad_heads_directories(target, tmp_path):

@@ -49,9 +49,11 @@ def load_proposer(
     path: str | Path | None = None,
     num_draft: int = 4,
     settings=None,
+    heads_dtype: str | None = None,
 ):
     """The proposer for method, its files at path or else in model_dir's subdirectory for it;
-    settings (`mlx_hybrid.profiles.Settings`): the beam or tree to use instead of the defaults."""
+    settings (`mlx_hybrid.profiles.Settings`): the beam or tree to use instead of the defaults;
+    heads_dtype: the float dtype Medusa heads or a drafter compute in (default: the target's)."""
     if method not in METHODS:
         raise HybridError(f"unknown speculative method '{method}' (choose from {', '.join(METHODS)})")
     if path is None:
@@ -64,7 +66,7 @@ def load_proposer(
         from mlx_hybrid.speculative.medusa import MedusaProposer, load_medusa
         from mlx_hybrid.speculative.tree import MedusaTree
 
-        heads = load_medusa(path, target)
+        heads = load_medusa(path, target, heads_dtype)
         tree = None
         if settings is not None and settings.medusa_choices:
             tree = MedusaTree(settings.medusa_choices)
@@ -75,7 +77,7 @@ def load_proposer(
         from mlx_hybrid.speculative.redrafter import ReDrafterProposer, load_redrafter
 
         width, length = (settings.beam_width, settings.beam_length) if settings is not None else (None, None)
-        return ReDrafterProposer(load_redrafter(path, target), target, width, length)
+        return ReDrafterProposer(load_redrafter(path, target, heads_dtype), target, width, length)
     from mlx_hybrid.loader import load_model
     from mlx_hybrid.speculative.draft import DraftProposer
 
