@@ -16,7 +16,9 @@ from mlx_hybrid.speculative.medusa import calibrate
 mt = Path(sys.argv[2] if len(sys.argv) > 2 else "/tmp/mt")
 model, tokenizer = load_model(mt), load_tokenizer(mt)
 benchmark = {q.strip().lower() for q in Path("benchmarks/chat_prompts.txt").read_text().splitlines()}
-questions = [json.loads(line)["prompt"] for line in open("/tmp/heads/chat-heldout-prompts.jsonl")]
+# The held-out questions from their pseudo-labels (each row keeps its prompt), which `labels.sh`
+# keeps for later runs; the run's own question file is not made again when they are carried.
+questions = [json.loads(line)["prompt"] for line in open("/tmp/heads/chat-heldout.jsonl")]
 questions = [q for q in questions if q.strip().lower() not in benchmark][:24]
 prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in questions]
 r = calibrate(model, mt / "medusa", prompts, num_nodes=int(sys.argv[1]) if len(sys.argv) > 1 else 24)
