@@ -12,7 +12,7 @@ time is bound by the device.
 MODEL: a model directory with its medusa/ and/or redrafter/, or a new directory for random
 weights in SmolLM2-135M's shape with untrained heads (`speculative.py`'s). Prints JSON.
 
-    python3 benchmarks/gpu/kernel_profile.py /tmp/mt [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16]
+    python3 benchmarks/gpu/kernel_profile.py /tmp/mt [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12]
 """
 
 import argparse
@@ -69,7 +69,7 @@ def summarize(events: list[dict], items: int, wall_ms: float, top: int = 12) -> 
     }
 
 
-def profiled(make_steps, items: int) -> dict:
+def profiled(make_steps, items: int, top: int) -> dict:
     steps = make_steps()
     for _ in range(10):  # warm: kernels compiled, traces made
         next(steps)
@@ -81,7 +81,7 @@ def profiled(make_steps, items: int) -> dict:
             next(steps)
         wall = (time.perf_counter() - t) / items * 1000
     steps.close()
-    return summarize(device_events(prof), items + 1, wall)
+    return summarize(device_events(prof), items + 1, wall, top)
 
 
 def main(argv=None) -> int:
@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--tree-size", type=int, default=0, help="Medusa tree size (default: its own tree)")
     p.add_argument("--beam", default="", help="ReDrafter beams WxL[,WxL...] (default: its own)")
     p.add_argument("--items", type=int, default=30)
+    p.add_argument("--top", type=int, default=12, help="kernels listed per loop, most time first")
     args = p.parse_args(argv)
 
     d = synthetic_target(args.model)
@@ -113,14 +114,14 @@ def main(argv=None) -> int:
             c.trim(1)
         mx.eval(hidden, [c.state for c in cache])
         argmax = lambda x: mx.argmax(x, -1)  # noqa: E731
-        out["decode"] = profiled(lambda: generate_step(mx.array([5]), model, cache, argmax, max_tokens=10**6), args.items)
+        out["decode"] = profiled(lambda: generate_step(mx.array([5]), model, cache, argmax, max_tokens=10**6), args.items, args.top)
         trim_cache(cache, cache[0].offset - 256)
         for name, (method, settings) in variants.items():
             proposer = load_proposer(method, model, d, settings=settings)
             if args.heads_dtype:
                 module = proposer.heads if method == "medusa" else proposer.drafter
                 module.set_dtype(getattr(mx, args.heads_dtype))
-            out[name] = profiled(lambda: _greedy_passes(model, proposer, cache, 7, hidden), args.items)
+            out[name] = profiled(lambda: _greedy_passes(model, proposer, cache, 7, hidden), args.items, args.top)
             trim_cache(cache, cache[0].offset - 256)
     print(json.dumps(out, indent=1))
     return 0

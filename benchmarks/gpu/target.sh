@@ -1,12 +1,13 @@
 # Wait for the heads, convert the Llama target to /tmp/mt (bfloat16) with its heads, calibrate
 # Medusa's tree, then run the speculative benchmark (its README section, JSON and plot to $OUT).
 # Usage: target.sh [SECONDS to wait for the heads] [more benchmarks/speculative.py arguments]
+# MT_DTYPE=float32 converts the target in float32 instead (bfloat16 near-ties: benchmarks/README.md).
 source benchmarks/gpu/env.sh now
 wait=${1:-300}; shift $(( $# > 0 ? 1 : 0 ))
 for i in $(seq 1 $wait); do [ -f /tmp/heads/report.json ] && break; sleep 1; done
 cp /tmp/heads/report.json $OUT/heads_report.json || { tail -5 /tmp/heads.log; exit 1; }
 if [ ! -d /tmp/mt ]; then
-  (cd /tmp && python3 -m mlx_hybrid.cli.main convert /tmp/heads/base /tmp/mt --dtype bfloat16) || exit 1
+  (cd /tmp && python3 -m mlx_hybrid.cli.main convert /tmp/heads/base /tmp/mt --dtype ${MT_DTYPE:-bfloat16}) || exit 1
   for heads in medusa1/medusa redrafter/redrafter; do  # the head sets the run's stages trained
     [ -d /tmp/heads/$heads ] && cp -r /tmp/heads/$heads /tmp/mt/
   done
