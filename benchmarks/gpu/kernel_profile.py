@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", type=Path)
     p.add_argument("--dtype", default=None, help="cast the target (e.g. bfloat16); default: as stored")
-    p.add_argument("--heads-dtype", default=None, help="cast the heads and drafter; default: as stored")
+    p.add_argument("--heads-dtype", default=None, help="the heads' and drafter's dtype; default: the target's")
     p.add_argument("--tree-size", type=int, default=0, help="Medusa tree size (default: its own tree)")
     p.add_argument("--beam", default="", help="ReDrafter beams WxL[,WxL...] (default: its own)")
     p.add_argument("--items", type=int, default=30)
@@ -117,10 +117,7 @@ def main(argv=None) -> int:
         out["decode"] = profiled(lambda: generate_step(mx.array([5]), model, cache, argmax, max_tokens=10**6), args.items, args.top)
         trim_cache(cache, cache[0].offset - 256)
         for name, (method, settings) in variants.items():
-            proposer = load_proposer(method, model, d, settings=settings)
-            if args.heads_dtype:
-                module = proposer.heads if method == "medusa" else proposer.drafter
-                module.set_dtype(getattr(mx, args.heads_dtype))
+            proposer = load_proposer(method, model, d, settings=settings, heads_dtype=args.heads_dtype)
             out[name] = profiled(lambda: _greedy_passes(model, proposer, cache, 7, hidden), args.items, args.top)
             trim_cache(cache, cache[0].offset - 256)
     print(json.dumps(out, indent=1))
