@@ -33,21 +33,28 @@ def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, tree_keys:
 ROWS = 8
 
 
+def launch(H: int, KV: int, T: int, D: int, dtype) -> tuple[list, int]:
+    """The kernel's template and threads a threadgroup (one threadgroup per node and query head)
+    for H query heads over KV key/value heads, T nodes, head size D, in dtype."""
+    lanes = -(-D // 32)  # head-dimension elements per lane
+    warps = max(8, lanes)  # the merge gives each of the D outputs a thread
+    return [("T", dtype), ("H", H), ("R", H // KV), ("TN", T), ("D", D), ("E", lanes), ("NW", warps), ("B", ROWS)], warps * 32
+
+
 def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
                    parents: mx.array, prefix: mx.array, scale: mx.array, *, backend: str) -> mx.array:
     """`tree_attention_ref` on the 'metal' or 'cuda' kernel: parents (T,) int32, prefix (1,) int32
     and scale (1,) float32 as arrays, so one compiled kernel serves every step. Inputs keep their
     strides (the queries come transposed out of RoPE, the keys are the cache's whole buffer)."""
     _, H, T, D = q.shape
-    lanes = -(-D // 32)  # head-dimension elements per lane
-    warps = max(8, lanes)  # the merge gives each of the D outputs a thread
+    template, threads = launch(H, keys.shape[1], T, D, q.dtype)
     names = ("q", "k", "v", "tk", "tv", "parents", "prefix", "scale")
     kernel = load_kernel(backend, "tree_attention", names, ("out",), contiguous=False)
     (out,) = kernel(
         inputs=[q, keys, values, tree_keys, tree_values, parents, prefix, scale],
-        template=[("T", q.dtype), ("H", H), ("R", H // keys.shape[1]), ("TN", T), ("D", D), ("E", lanes), ("NW", warps), ("B", ROWS)],
-        grid=(T * H * warps * 32, 1, 1),
-        threadgroup=(warps * 32, 1, 1),
+        template=template,
+        grid=(T * H * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(1, T, H, D)],
         output_dtypes=[q.dtype],
     )

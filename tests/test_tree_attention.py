@@ -17,7 +17,7 @@ from factories import GPU_BACKENDS, make_hf_model_dir
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.speculative.tree import Tree, ancestor_mask
-from mlx_hybrid.tree_attention import ROWS, tree_attention, tree_attention_ref
+from mlx_hybrid.tree_attention import launch, tree_attention, tree_attention_ref
 
 # Parent-before-child order: a Medusa-like tree, a chain, and a packed beam whose last two nodes
 # are padding roots (parent -1, reached by no beam).
@@ -92,8 +92,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
         T = len(parents)
         q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=10 + i)
         S = k.shape[2]
-        lanes = -(-D // 32)
-        warps = max(8, lanes)
+        template, threads = launch(H, KV, T, D, "float")
         (got,) = cuda_emulator.run(
             body,
             inputs=[
@@ -107,9 +106,9 @@ def test_cuda_body_on_the_cpu_matches_numpy():
                 ("scale", np.array([D**-0.5], np.float32), None),
             ],
             outputs=[("out", (1, T, H, D))],
-            template=[("T", "float"), ("H", H), ("R", H // KV), ("TN", T), ("D", D), ("E", lanes), ("NW", warps), ("B", ROWS)],
+            template=template,
             blocks=T * H,
-            threads=warps * 32,
+            threads=threads,
         )
         want = numpy_attention(seen(q_buffer), k, v, seen(tk_buffer), seen(tv_buffer), parents, prefix, D**-0.5)
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
