@@ -48,7 +48,7 @@ def device_events(prof) -> list[dict]:
     return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
 
 
-def summarize(events: list[dict], items: int, wall_ms: float, top: int = 12) -> dict:
+def summarize(events: list[dict], items: int, wall_ms: float, top: int) -> dict:
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
     busy, end = 0.0, float("-inf")
     for s, t in spans:  # the union of the intervals
