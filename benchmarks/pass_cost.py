@@ -78,7 +78,7 @@ with mx.stream(generation_stream):
         out["decode_pipelined" + suffix] = median(per_item(generate_step(mx.array([5]), model, cache, lambda x: mx.argmax(x, -1), max_tokens=50)) for _ in range(3))
         trim_cache(cache, cache[0].offset - 256)
         for method, p in proposers.items():
-            out[f"{method}_pass_pipelined{suffix}"] = median(per_item(_greedy_passes(model, p, cache, 7, hidden), 20) for _ in range(3))
+            out[f"{method}_pass_pipelined{suffix}"] = median(per_item(_greedy_passes(model, p, cache, mx.array([7], mx.int32), hidden), 20) for _ in range(3))
             trim_cache(cache, cache[0].offset - 256)
     if split_only:
         # Each pipelined step or pass as the host spends it: building its graph (Python, MLX),
@@ -101,7 +101,7 @@ with mx.stream(generation_stream):
             out[f"decode_r{r}"] = split(generate_step(mx.array([5]), model, cache, lambda x: mx.argmax(x, -1), max_tokens=50))
             trim_cache(cache, cache[0].offset - 256)
             for method, p in proposers.items():
-                out[f"{method}_r{r}"] = split(_greedy_passes(model, p, cache, 7, hidden), 20)
+                out[f"{method}_r{r}"] = split(_greedy_passes(model, p, cache, mx.array([7], mx.int32), hidden), 20)
                 trim_cache(cache, cache[0].offset - 256)
         print(json.dumps(out, indent=1)); sys.exit()
     # The pass's variants, interleaved in rounds: the projections' per-row path under each byte

@@ -12,7 +12,7 @@ time is bound by the device.
 MODEL: a model directory with its medusa/ and/or redrafter/, or a new directory for random
 weights in SmolLM2-135M's shape with untrained heads (`speculative.py`'s). Prints JSON.
 
-    python3 benchmarks/gpu/kernel_profile.py /tmp/mt [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12]
+    python3 benchmarks/gpu/kernel_profile.py /tmp/mt [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12] [--sequence]
 """
 
 import argparse
@@ -48,7 +48,7 @@ def device_events(prof) -> list[dict]:
     return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
 
 
-def summarize(events: list[dict], items: int, wall_ms: float, top: int) -> dict:
+def summarize(events: list[dict], items: int, wall_ms: float, top: int, sequence: bool = False) -> dict:
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
     busy, end = 0.0, float("-inf")
     for s, t in spans:  # the union of the intervals
@@ -66,10 +66,17 @@ def summarize(events: list[dict], items: int, wall_ms: float, top: int) -> dict:
         "kernel_ms": round(sum(e["dur"] for e in events) / 1000 / items, 3),
         "kernels": round(len(events) / items, 1),
         "top": [{"name": n, "per_item": round(c / items, 2), "us": round(d / items, 1)} for n, (c, d) in ranked],
-    }
+    } | ({"sequence": sequence_of(events, len(events) // items)} if sequence else {})
 
 
-def profiled(make_steps, items: int, top: int) -> dict:
+def sequence_of(events: list[dict], n: int) -> list[str]:
+    """The last n kernels in launch order (about one step or pass), each as name [grid] [block]:
+    where a copy sits in the sequence says which op made it."""
+    last = sorted(events, key=lambda e: e["ts"])[-n:]
+    return [f"{e['name'][:70]} {e.get('args', {}).get('grid', '')} {e.get('args', {}).get('block', '')}" for e in last]
+
+
+def profiled(make_steps, items: int, top: int, sequence: bool = False) -> dict:
     steps = make_steps()
     for _ in range(10):  # warm: kernels compiled, traces made
         next(steps)
@@ -81,7 +88,7 @@ def profiled(make_steps, items: int, top: int) -> dict:
             next(steps)
         wall = (time.perf_counter() - t) / items * 1000
     steps.close()
-    return summarize(device_events(prof), items + 1, wall, top)
+    return summarize(device_events(prof), items + 1, wall, top, sequence)
 
 
 def main(argv=None) -> int:
@@ -93,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--beam", default="", help="ReDrafter beams WxL[,WxL...] (default: its own)")
     p.add_argument("--items", type=int, default=30)
     p.add_argument("--top", type=int, default=12, help="kernels listed per loop, most time first")
+    p.add_argument("--sequence", action="store_true", help="also list one step's or pass's kernels in launch order")
     args = p.parse_args(argv)
 
     d = synthetic_target(args.model)
@@ -114,11 +122,11 @@ def main(argv=None) -> int:
             c.trim(1)
         mx.eval(hidden, [c.state for c in cache])
         argmax = lambda x: mx.argmax(x, -1)  # noqa: E731
-        out["decode"] = profiled(lambda: generate_step(mx.array([5]), model, cache, argmax, max_tokens=10**6), args.items, args.top)
+        out["decode"] = profiled(lambda: generate_step(mx.array([5]), model, cache, argmax, max_tokens=10**6), args.items, args.top, args.sequence)
         trim_cache(cache, cache[0].offset - 256)
         for name, (method, settings) in variants.items():
             proposer = load_proposer(method, model, d, settings=settings, heads_dtype=args.heads_dtype)
-            out[name] = profiled(lambda: _greedy_passes(model, proposer, cache, 7, hidden), args.items, args.top)
+            out[name] = profiled(lambda: _greedy_passes(model, proposer, cache, mx.array([7], mx.int32), hidden), args.items, args.top, args.sequence)
             trim_cache(cache, cache[0].offset - 256)
     print(json.dumps(out, indent=1))
     return 0

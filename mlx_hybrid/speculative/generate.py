@@ -113,12 +113,12 @@ def speculative_steps(
     with mx.stream(generation_stream):
         prefill(model, mx.array(prompt[:-1]), cache, prefill_step_size)
         logits, hidden = model(mx.array(prompt[-1:])[None], cache, return_hidden=True)
-        root = _first_token(logits[0, -1].astype(mx.float32), sampling, rng)
         hidden = hidden[0, -1]
-        yield [root], 0
         if sampling.temp == 0 and hasattr(proposer, "draft"):
-            yield from _greedy_passes(model, proposer, cache, root, hidden)
+            yield from _greedy_passes(model, proposer, cache, mx.argmax(logits[0, -1:], axis=-1).astype(mx.int32), hidden)
             return
+        root = _first_token(logits[0, -1].astype(mx.float32), sampling, rng)
+        yield [root], 0
         tokens = list(history) + list(prompt) + [root]
         while True:
             cand = proposer.propose(tokens, hidden, sampling)
@@ -139,16 +139,20 @@ def speculative_steps(
             yield new, len(path) - 1
 
 
-def _greedy_passes(model: nn.Module, proposer, cache: list, root: int, hidden: mx.array) -> Iterator[tuple[list[int], int]]:
+def _greedy_passes(model: nn.Module, proposer, cache: list, root: mx.array, hidden: mx.array) -> Iterator[tuple[list[int], int]]:
     """Greedy speculation with the host one pass behind the device, as plain decoding queues the
     next token before reading this one: drafting, verification, acceptance (`accept.greedy_rows`)
     and the cache moves (`accept_on_device`) all run on the device, each pass placed at a position
     the device computes (`Tree.at`), so pass k + 1 is queued before the host reads pass k. The
     host only learns each pass's tokens and advances the caches' offsets (`advance`); on exit the
-    recurrent states go back to those after the last pass it yielded."""
+    recurrent states go back to those after the last pass it yielded.
+
+    root: (1,) int32, the token after the prompt, still on the device; it is yielded first, once
+    the first pass is queued behind it (as `generate_step` queues the second token)."""
     states = [c for c in cache if isinstance(c, StateCache)]
     pos = mx.array([cache[0].offset], mx.int32)
-    draft = proposer.draft(mx.array([root], mx.int32), hidden)
+    mx.async_eval(root, hidden)  # an eval of its own: reading root waits for it alone, not the first pass
+    draft = proposer.draft(root, hidden)
     behind, kept = None, [c.arrays for c in states]  # the pass the host has not read; the states it yielded
     try:
         while True:
@@ -161,7 +165,9 @@ def _greedy_passes(model: nn.Module, proposer, cache: list, root: int, hidden: m
             draft = proposer.draft(info[1:2], hiddens[0, last])
             mx.async_eval(info, pos, draft.arrays(), [c.state for c in cache])
             ahead = (info, [c.arrays for c in states], width)
-            if behind is not None:
+            if behind is None:
+                yield [root.item()], 0
+            else:
                 n, new = _read(behind[0], behind[2])
                 for c in cache:
                     c.advance(n + 1)
