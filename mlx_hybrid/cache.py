@@ -12,7 +12,10 @@ the end of the accepted path, so accepted tokens are never run again. A KV cache
 candidates' keys and values apart from its buffer during such a pass (attention reads them from
 there) and `accept` writes only the accepted path's into the buffer. `accept_on_device` does the
 same for a path the host has not read yet, so that greedy passes can be queued one ahead of the
-host; `advance` then moves the offsets once it has.
+host; `advance` then moves the offsets once it has. That write waits for the buffers' next use
+(`_flush`, at the start of the next pass): made in the pass that read the buffers, it met them still
+held by the pass's attention kernels on a GPU (MLX keeps a kernel's inputs until it has run), so
+it could not write in place and copied each whole buffer first.
 """
 
 import functools
@@ -24,12 +27,41 @@ STEP = 256
 
 class KVCache:
     def __init__(self, window: int | None = None):
-        self.keys = None
-        self.values = None
+        self._keys = None
+        self._values = None
+        self._write = None  # (row index, keys, values) of a path `accept_on_device` kept, not yet in the buffers
         self.offset = 0  # absolute position of the next token
         self.start = 0  # absolute position of keys[..., 0, :]
         self.window = window
         self.pending = None  # (buffer row of node 0, keys, values) of the last verification pass's tree
+
+    @property
+    def keys(self) -> mx.array | None:
+        self._flush()
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: mx.array):
+        self._flush()
+        self._keys = keys
+
+    @property
+    def values(self) -> mx.array | None:
+        self._flush()
+        return self._values
+
+    @values.setter
+    def values(self, values: mx.array):
+        self._flush()
+        self._values = values
+
+    def _flush(self):
+        """Write the path `accept_on_device` kept: one scatter per buffer, every node of its tree."""
+        if self._write is not None:
+            index, keys, values = self._write
+            self._write = None
+            self._keys = mx.put_along_axis(self._keys, index, keys, axis=2)
+            self._values = mx.put_along_axis(self._values, index, values, axis=2)
 
     @property
     def size(self) -> int:
@@ -42,24 +74,25 @@ class KVCache:
         if self.window is not None:
             self._drop_unreachable()
         size = self.size
-        self._reserve(size + n, keys, values)
-        self.keys[..., size : size + n, :] = keys
-        self.values[..., size : size + n, :] = values
+        self._reserve(size + n, keys, values)  # flushes
+        self._keys[..., size : size + n, :] = keys
+        self._values[..., size : size + n, :] = values
         self.offset += n
-        return self.keys[..., : size + n, :], self.values[..., : size + n, :]
+        return self._keys[..., : size + n, :], self._values[..., : size + n, :]
 
     def _reserve(self, rows: int, keys: mx.array, values: mx.array):
         """Room for `rows` buffer rows. The whole old buffer is copied: while greedy passes run
         ahead of the host (`accept_on_device`), rows past `offset` may hold accepted tokens already."""
-        if self.keys is not None and rows <= self.keys.shape[2]:
+        self._flush()
+        if self._keys is not None and rows <= self._keys.shape[2]:
             return
         capacity = (rows + STEP - 1) // STEP * STEP
         shape = (*keys.shape[:2], capacity, keys.shape[3])
         new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
-        if self.keys is not None:
-            new_k[..., : self.keys.shape[2], :] = self.keys
-            new_v[..., : self.values.shape[2], :] = self.values
-        self.keys, self.values = new_k, new_v
+        if self._keys is not None:
+            new_k[..., : self._keys.shape[2], :] = self._keys
+            new_v[..., : self._values.shape[2], :] = self._values
+        self._keys, self._values = new_k, new_v
 
     def hold_tree(self, keys: mx.array, values: mx.array, pos: mx.array, bound: int) -> tuple[mx.array, mx.array, mx.array]:
         """Hold a candidate tree's n keys/values (1, KV, n, D) until `accept`, which writes the
@@ -123,15 +156,14 @@ class KVCache:
         every node of the tree: the row's nodes in row order from node 0's buffer row on, the
         others after them, where the next path overwrites them; the scatter's index is built once
         for the layers that share its shape and row (memo). `advance` moves `offset` once the host
-        knows the path's length."""
+        knows the path's length. The write itself waits for the buffers' next use (`_flush`)."""
         row, keys, values = self.pending
         self.pending = None
         key = (id(row), keys.shape)
         if key not in memo:
             memo[key] = (row, mx.broadcast_to(_destinations(nodes, keys.shape[2], row)[None, None, :, None], keys.shape))
-        index = memo[key][1]
-        self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        self._flush()
+        self._write = (memo[key][1], keys, values)
 
     def advance(self, n: int):
         """The host learned that the last `accept_on_device` kept n tokens."""

@@ -159,11 +159,11 @@ def _greedy_passes(model: nn.Module, proposer, cache: list, root: mx.array, hidd
             width = draft.rows.shape[1]
             bound = cache[0].offset + (behind[2] if behind else 0)  # the unread pass kept at most its width
             logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree.at(pos, bound))
-            info, last = accept.greedy_rows(draft, logits[0])
+            info, last = accept.greedy_rows(draft, logits.squeeze(0))  # squeeze: logits[0] would be a copy (a gather)
             accept_on_device(cache, info[2 : 2 + width], last)
             pos = pos + info[:1] + 1
-            draft = proposer.draft(info[1:2], hiddens[0, last])
-            mx.async_eval(info, pos, draft.arrays(), [c.state for c in cache])
+            draft = proposer.draft(info[1:2], hiddens.squeeze(0)[last])
+            mx.async_eval(info, pos, draft.arrays(), [c.state for c in states])  # KV caches write the path in the next pass
             ahead = (info, [c.arrays for c in states], width)
             if behind is None:
                 yield [root.item()], 0

@@ -152,7 +152,7 @@ class ReDrafterProposer:
         return Draft(tokens, Tree(parents, depths, mask), node_of)
 
     def _search_and_pack(self, root: mx.array, hidden: mx.array) -> tuple[mx.array, ...]:
-        beams = self.drafter.beam_search(hidden[None], root.reshape(1), self.embed, self.width, self.length)[-1][0]
+        beams = self.drafter.beam_search(hidden[None], root.reshape(1), self.embed, self.width, self.length)[-1].squeeze(0)  # not [0]: a gather
         packed = pack_beams(beams)
         return packed.tokens, packed.tree.parents, packed.tree.depths, packed.tree.mask, packed.node_of, packed.count
 
