@@ -287,6 +287,25 @@ def test_kv_cache_accept_on_device_keeps_a_whole_chain():
     assert cache.values[0, 1, :7, 1].tolist() == [100, 101, 102, 110, 111, 112, 113]
 
 
+def test_kv_cache_writes_a_kept_path_before_the_next_write():
+    """`accept_on_device` leaves its write for the buffers' next use; a decode step after it (the
+    loop ended, a chat goes on) must find the path in place and its own row after it, and a
+    row written after a trim must not be overwritten by the path's late write."""
+    cache = KVCache()
+    cache.update_and_fetch(kv_rows(0, 3), kv_rows(100, 103))
+    cache.hold_tree(kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
+    accept_on_device([cache], mx.array([0, 2, -1], mx.int32), mx.array(2))  # path 0, 2 (n = 1)
+    cache.advance(2)
+    k, v = cache.update_and_fetch(kv_rows(50, 51), kv_rows(150, 151))
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 10, 12, 50]
+    assert v[0, 1, :, 1].tolist() == [100, 101, 102, 110, 112, 150]
+    cache.hold_tree(kv_rows(20, 23), kv_rows(120, 123), mx.array([6], mx.int32), 6)
+    accept_on_device([cache], mx.array([0, 1, 2], mx.int32), mx.array(2))  # queued, never read
+    cache.trim(1)
+    k, _ = cache.update_and_fetch(kv_rows(60, 61), kv_rows(160, 161))
+    assert k[0, 1, :, 0].tolist() == [0, 1, 2, 10, 12, 60]
+
+
 def test_kv_cache_sliding_window_keeps_a_path_the_host_has_not_read():
     """Dropping the rows no query can reach (a sliding window) while a path is queued past the
     host's offset keeps that path: passes A, B, C as the greedy loop queues them."""
