@@ -35,25 +35,12 @@ class KVCache:
         self.window = window
         self.pending = None  # (buffer row of node 0, keys, values) of the last verification pass's tree
 
-    @property
-    def keys(self) -> mx.array | None:
-        self._flush()
-        return self._keys
+    def _buffer(name: str) -> property:
+        """A buffer as it is read and replaced from outside: with the kept path written first."""
+        return property(lambda self: self._flush() or getattr(self, name), lambda self, a: self._flush() or setattr(self, name, a))
 
-    @keys.setter
-    def keys(self, keys: mx.array):
-        self._flush()
-        self._keys = keys
-
-    @property
-    def values(self) -> mx.array | None:
-        self._flush()
-        return self._values
-
-    @values.setter
-    def values(self, values: mx.array):
-        self._flush()
-        self._values = values
+    keys, values = _buffer("_keys"), _buffer("_values")
+    del _buffer
 
     def _flush(self):
         """Write the path `accept_on_device` kept: one scatter per buffer, every node of its tree."""
