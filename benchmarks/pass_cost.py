@@ -151,7 +151,8 @@ with mx.stream(generation_stream):
         if kernel_backend():
             par, pre, sc = mx.array([-1] + [(t - 1) // 2 for t in range(1, T)], mx.int32), mx.array([290 - T], mx.int32), mx.array([0.1])
             tk = k[..., :T, :]  # the tree's own keys and values
-            f = lambda: mx.eval([tree_attention(q, k, v, tk, tk, par, pre, sc, backend=kernel_backend()) for _ in range(30)])
+            at, freqs = mx.arange(290 - T, 290, dtype=mx.int32), mx.ones((D // 2,))
+            f = lambda: mx.eval([tree_attention(q, k, v, tk, tk, par, pre, sc, at, freqs, backend=kernel_backend()) for _ in range(30)])
             out[f"tree_attention30_T{T}"] = ms(f)
     # One op's cost: a chain of 200 dependent ops on a 576-wide activation of 1 or 34 rows, total
     # and host time (building the graph and handing it to the device) per op, in microseconds.

@@ -1,6 +1,6 @@
 // Tree attention, CUDA body for mx.fast.cuda_kernel (MLX writes the signature).
 // Line-for-line twin of tree_attention.metal: only the thread indices, threadgroup memory,
-// barriers, the simdgroup sum and exp differ.
+// barriers, the simdgroup sum, exp, cos and sin differ.
 // The verification pass of speculative decoding: each node of a candidate tree attends to the
 // cached rows before the tree and to itself and its ancestors, and to nothing else. The kernel
 // follows `parents` instead of reading a mask, so no (nodes x keys) mask is built, converted or
@@ -12,11 +12,16 @@
 // for the B, and their values are added in. Thread d < D merges the NW partial results for
 // element d. (One row at a time, every row waited for its loads and its sum before the next
 // began: 66 us a layer on the H100 for 25 nodes over 256 cached rows, against 24 us so.)
-// Inputs q (1, H, TN, D) queries, any strides; k, v (1, KV, >= P, D) the cache, whose first P
-// rows come before the tree; tk, tv (1, KV, TN, D) the tree's own keys and values, which the
-// cache receives only for the accepted path, after the pass; all any strides; parents (TN,)
-// int32, -1 for a root; prefix (1,) int32, P; scale (1,) float32. Output out (1, TN, H, D).
-// Template: T, H, R (query heads per KV head), TN, D, E, NW, B.
+// RoPE is applied here to the queries and the tree's keys (a launch a layer fewer): element d
+// turns with its pair d -+ D/2 by the angle position * inv_freq, in float32, and is rounded to T
+// as mx.fast.rope rounds it. The threadgroups of a KV head's first query head also write the
+// tree's turned keys (rk), which the cache receives for the accepted path.
+// Inputs q (1, H, TN, D) queries before RoPE; k, v (1, KV, >= P, D) the cache, whose first P
+// rows come before the tree; tk, tv (1, KV, TN, D) the tree's own keys (before RoPE) and
+// values, which the cache receives only for the accepted path, after the pass; all any strides;
+// parents (TN,) int32, -1 for a root; prefix (1,) int32, P; scale (1,) float32; positions (TN,)
+// int32, each node's; freqs (D/2,) float32, mx.fast.rope's (inv_freq = 1 / freq). Outputs out
+// (1, TN, H, D), rk (1, KV, TN, D). Template: T, H, R (query heads per KV head), TN, D, E, NW, B.
 const int group = blockIdx.x;
 const int tid = threadIdx.x;
 const int lane = tid % 32;
@@ -43,11 +48,21 @@ if (tid == 0) {  // the tree rows node t sees: itself, then its ancestors
 __syncthreads();
 const int rows = visible[0];
 const float s0 = scale[0];
+const int half = D / 2;
 float qv[E];
 float ov[E];
+float inv[E];  // this lane's elements: their pair's inverse frequency,
+float sg[E];   // the sign their pair element enters with,
+int pd[E];     // and that element
 for (int e = 0; e < E; ++e) {
   const int d = lane * E + e;
-  qv[e] = d < D ? static_cast<float>(q[h * q_strides[1] + t * q_strides[2] + d * q_strides[3]]) * s0 : 0.0f;
+  inv[e] = d < D ? 1.0f / freqs[d % half] : 0.0f;
+  sg[e] = d < half ? -1.0f : 1.0f;
+  pd[e] = d < half ? d + half : d - half;
+  const int64_t qb = h * q_strides[1] + t * q_strides[2];
+  const float a = static_cast<float>(positions[t]) * inv[e];
+  const float x = d < D ? static_cast<float>(q[qb + d * q_strides[3]]) * cosf(a) + sg[e] * static_cast<float>(q[qb + pd[e] * q_strides[3]]) * sinf(a) : 0.0f;
+  qv[e] = static_cast<float>(static_cast<T>(x)) * s0;
   ov[e] = 0.0f;
 }
 float m = -1e30f;
@@ -60,10 +75,12 @@ for (int base = warp * B; base < rows; base += NW * B) {
     const int row = cached ? i : chain[i - P];
     const int64_t kb = cached ? kvh * k_strides[1] + row * k_strides[2] : kvh * tk_strides[1] + row * tk_strides[2];
     const int64_t ks = cached ? k_strides[3] : tk_strides[3];
+    const float a = cached ? 0.0f : static_cast<float>(positions[row]);
     s[r] = 0.0f;
     for (int e = 0; e < E && lane * E + e < D; ++e) {
       const int64_t at = kb + (lane * E + e) * ks;
-      s[r] += qv[e] * static_cast<float>(cached ? k[at] : tk[at]);
+      const float x = cached ? static_cast<float>(k[at]) : static_cast<float>(tk[at]) * cosf(a * inv[e]) + sg[e] * static_cast<float>(tk[kb + pd[e] * ks]) * sinf(a * inv[e]);
+      s[r] += qv[e] * static_cast<float>(static_cast<T>(x));
     }
   }
   float top = m;
@@ -113,4 +130,11 @@ if (tid < D) {
     acc += c * o_part[w * D + tid];
   }
   out[(t * H + h) * D + tid] = static_cast<T>(acc / den);
+  if (h % R == 0) {  // the node's keys after RoPE, once per KV head
+    const int64_t kb = kvh * tk_strides[1] + t * tk_strides[2];
+    const float a = static_cast<float>(positions[t]) * (1.0f / freqs[tid % half]);
+    const float sgn = tid < half ? -1.0f : 1.0f;
+    const int pt = tid < half ? tid + half : tid - half;
+    rk[(kvh * TN + t) * D + tid] = static_cast<T>(static_cast<float>(tk[kb + tid * tk_strides[3]]) * cosf(a) + sgn * static_cast<float>(tk[kb + pt * tk_strides[3]]) * sinf(a));
+  }
 }

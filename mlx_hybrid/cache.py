@@ -86,12 +86,17 @@ class KVCache:
         accepted path's at absolute position pos, a (1,) int32 device array the host may not know
         yet (bound: the most it can be). Nothing is written now: attention reads the tree's rows
         apart from the buffer (`mlx_hybrid.tree_attention`), so that accepting a path is one write
-        per array rather than a write of every node and then a move of the path. Returns the whole
-        buffers and the buffer row where node 0 goes (rows before it precede the tree)."""
-        self.make_room(keys.shape[2], bound, keys, values)
-        row = pos if self.start == 0 else pos - self.start
-        self.pending = (row, keys, values)
-        return self.keys, self.values, row
+        per array rather than a write of every node and then a move of the path. Returns
+        `tree_buffers`."""
+        held = self.tree_buffers(keys.shape[2], pos, bound, keys)
+        self.pending = (held[2], keys, values)
+        return held
+
+    def tree_buffers(self, n: int, pos: mx.array, bound: int, like: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The whole buffers, with room for a tree of n nodes (1, KV, n, D) like `like` at pos
+        (`hold_tree`), and the buffer row where node 0 goes (rows before it precede the tree)."""
+        self.make_room(n, bound, like, like)
+        return self.keys, self.values, pos if self.start == 0 else pos - self.start
 
     def make_room(self, n: int, bound: int, keys: mx.array | None = None, values: mx.array | None = None):
         """Buffer rows for a tree of n nodes placed at absolute position <= bound (`hold_tree`),

@@ -7,25 +7,30 @@ after the pass (`KVCache.hold_tree`), one write per array instead of a write and
 `tree_attention` is one kernel launch (metal_kernels/tree_attention.cu) that walks each node's
 parents instead of reading a mask: on MLX's CUDA backend attention with an array mask runs a mask
 conversion and a cuDNN call per layer, about twice the time of causal attention at a few dozen
-queries (benchmarks/README.md), and a verification pass of a small model is launch-bound.
+queries (benchmarks/README.md), and a verification pass of a small model is launch-bound. For
+the same reason the kernel turns the queries and the tree's keys by RoPE itself.
 """
 
 import mlx.core as mx
 
 from mlx_hybrid.kernels import kernel_backend, load_kernel
+from mlx_hybrid.rope import apply_rope_at
 
 
 def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
-                       visible: mx.array, prefix: int, scale: float) -> mx.array:
-    """q (1, H, T, D) for the T nodes; keys, values (1, KV, >= prefix, D), the cache, whose first
-    prefix rows come before the tree; tree_keys, tree_values (1, KV, T, D) the nodes' own; visible
-    (T, T) bool, node s is node t or an ancestor of it (`Tree.visible`). Returns (1, T, H, D)."""
+                       visible: mx.array, prefix: int, scale: float, positions: mx.array, freqs: mx.array) -> tuple[mx.array, mx.array]:
+    """q (1, H, T, D) for the T nodes and tree_keys (1, KV, T, D) before RoPE, which turns them at
+    positions (T,) with `freqs` (`mlx_hybrid.rope`); keys, values (1, KV, >= prefix, D), the cache,
+    whose first prefix rows come before the tree; tree_values (1, KV, T, D) the nodes'; visible
+    (T, T) bool, node s is node t or an ancestor of it (`Tree.visible`). Returns the output (1, T,
+    H, D) and the tree's turned keys."""
+    q, tree_keys = (apply_rope_at(a.transpose(2, 1, 0, 3), freqs, positions).transpose(2, 1, 0, 3) for a in (q, tree_keys))
     keys = mx.concatenate([keys[..., :prefix, :], tree_keys], axis=2)
     values = mx.concatenate([values[..., :prefix, :], tree_values], axis=2)
     T = q.shape[2]
     mask = mx.concatenate([mx.ones((T, prefix), mx.bool_), visible], axis=1)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    return out.transpose(0, 2, 1, 3)
+    return out.transpose(0, 2, 1, 3), tree_keys
 
 
 # Visible rows a simdgroup scores side by side (metal_kernels/tree_attention.cu): 8 and 8 simdgroups
@@ -42,23 +47,25 @@ def launch(H: int, KV: int, T: int, D: int, dtype) -> tuple[list, int]:
 
 
 def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
-                   parents: mx.array, prefix: mx.array, scale: mx.array, *, backend: str) -> mx.array:
+                   parents: mx.array, prefix: mx.array, scale: mx.array, positions: mx.array, freqs: mx.array,
+                   *, backend: str) -> tuple[mx.array, mx.array]:
     """`tree_attention_ref` on the 'metal' or 'cuda' kernel: parents (T,) int32, prefix (1,) int32
     and scale (1,) float32 as arrays, so one compiled kernel serves every step. Inputs keep their
-    strides (the queries come transposed out of RoPE, the keys are the cache's whole buffer)."""
+    strides (queries and keys come transposed out of the projection, the cache's keys are its
+    whole buffer)."""
     _, H, T, D = q.shape
-    template, threads = launch(H, keys.shape[1], T, D, q.dtype)
-    names = ("q", "k", "v", "tk", "tv", "parents", "prefix", "scale")
-    kernel = load_kernel(backend, "tree_attention", names, ("out",), contiguous=False)
-    (out,) = kernel(
-        inputs=[q, keys, values, tree_keys, tree_values, parents, prefix, scale],
+    KV = keys.shape[1]
+    template, threads = launch(H, KV, T, D, q.dtype)
+    names = ("q", "k", "v", "tk", "tv", "parents", "prefix", "scale", "positions", "freqs")
+    kernel = load_kernel(backend, "tree_attention", names, ("out", "rk"), contiguous=False)
+    return kernel(
+        inputs=[q, keys, values, tree_keys, tree_values, parents, prefix, scale, positions, freqs],
         template=template,
         grid=(T * H * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(1, T, H, D)],
-        output_dtypes=[q.dtype],
+        output_shapes=[(1, T, H, D), (1, KV, T, D)],
+        output_dtypes=[q.dtype, q.dtype],
     )
-    return out
 
 
 def tree_kernel(q: mx.array, keys: mx.array, window: int | None) -> str | None:

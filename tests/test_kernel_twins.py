@@ -43,6 +43,8 @@ SPELLINGS = {
         ("__shared__ ", "threadgroup "),
         ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
         ("for (int o = 16; o > 0; o /= 2) { s[r] += __shfl_xor_sync(0xffffffff, s[r], o); }", "s[r] = simd_sum(s[r]);"),
+        ("cosf(", "metal::cos("),
+        ("sinf(", "metal::sin("),
     ],
 }
 

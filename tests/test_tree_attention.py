@@ -16,6 +16,7 @@ from factories import GPU_BACKENDS, make_hf_model_dir
 
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model
+from mlx_hybrid.rope import apply_rope_at, rope_frequencies
 from mlx_hybrid.speculative.tree import Tree, ancestor_mask
 from mlx_hybrid.tree_attention import launch, tree_attention, tree_attention_ref
 
@@ -29,6 +30,28 @@ TREES = {
 # (query heads, KV heads, head size, rows before the tree): grouped queries, no cache at all, a
 # head size that does not fill the 32 lanes, and a cache longer than a threadgroup's rows.
 SHAPES = [(9, 3, 64, 37), (4, 4, 128, 0), (2, 1, 16, 300), (4, 2, 96, 5)]
+# RoPE as the model gives it: SmolLM2's theta, and Llama 3.1's scaled frequencies for head size 128.
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def rope_case(parents, D, prefix, seed):
+    """Each node's position (past a cache that starts far back, so angles are large) and freqs."""
+    depths = [0] * len(parents)
+    for t, p in enumerate(parents):
+        depths[t] = 0 if p < 0 else depths[p] + 1
+    offset = 1000 + 37 * seed + prefix
+    freqs = np.array(rope_frequencies(D, 100000.0, LLAMA3 if D == 128 else None))
+    return np.array(depths, np.int32) + offset, freqs.astype(np.float32)
+
+
+def numpy_rope(x, positions, freqs):
+    """x (1, heads, T, D) with node t turned at positions[t] (non-traditional RoPE), float64 but
+    for the angle, a float32 product as RoPE's (at angles near 1000 a float32 ulp is 6e-5)."""
+    half = x.shape[-1] // 2
+    angle = (positions[:, None].astype(np.float32) * (np.float32(1) / freqs[None])).astype(np.float64)  # (T, half)
+    cos, sin = np.cos(angle), np.sin(angle)
+    a, b = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
 def make_case(parents, H, KV, D, prefix, seed, extra=3):
@@ -50,8 +73,10 @@ def seen(buffer):
     return buffer.transpose(1, 0, 2)[None]
 
 
-def numpy_attention(q, k, v, tk, tv, parents, prefix, scale):
-    """float64: node t attends to cache rows 0..prefix-1 and to the tree rows of t and its ancestors."""
+def numpy_attention(q, k, v, tk, tv, parents, prefix, scale, positions, freqs):
+    """float64: q and tk turned by RoPE, node t attends to cache rows 0..prefix-1 and to the tree
+    rows of t and its ancestors. Returns the output and the turned tree keys."""
+    q, tk = numpy_rope(q, positions, freqs), numpy_rope(tk, positions, freqs)
     _, H, T, D = q.shape
     R = H // k.shape[1]
     out = np.zeros((1, T, H, D))
@@ -66,7 +91,7 @@ def numpy_attention(q, k, v, tk, tv, parents, prefix, scale):
             s = keys @ q[0, h, t] * scale
             p = np.exp(s - s.max())
             out[0, t, h] = (p / p.sum()) @ values
-    return out
+    return out, tk
 
 
 def test_reference_matches_numpy():
@@ -74,11 +99,13 @@ def test_reference_matches_numpy():
         for i, (H, KV, D, prefix) in enumerate(SHAPES):
             q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=i)
             q, tk, tv = seen(q_buffer), seen(tk_buffer), seen(tv_buffer)
+            positions, freqs = rope_case(parents, D, prefix, seed=i)
             with mx.stream(mx.cpu):  # exact float32: MLX's CUDA backend multiplies float32 in TF32
                 visible = mx.array(ancestor_mask(parents))
-                got = tree_attention_ref(*map(mx.array, (q, k, v, tk, tv)), visible, prefix, D**-0.5)
-            want = numpy_attention(q, k, v, tk, tv, parents, prefix, D**-0.5)
-            np.testing.assert_allclose(np.array(got), want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
+                got = tree_attention_ref(*map(mx.array, (q, k, v, tk, tv)), visible, prefix, D**-0.5, mx.array(positions), mx.array(freqs))
+            want = numpy_attention(q, k, v, tk, tv, parents, prefix, D**-0.5, positions, freqs)
+            for g, w in zip(got, want):  # the output, the turned keys
+                np.testing.assert_allclose(np.array(g), w, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
 
 
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
@@ -92,8 +119,9 @@ def test_cuda_body_on_the_cpu_matches_numpy():
         T = len(parents)
         q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=10 + i)
         S = k.shape[2]
+        positions, freqs = rope_case(parents, D, prefix, seed=10 + i)
         template, threads = launch(H, KV, T, D, "float")
-        (got,) = cuda_emulator.run(
+        got = cuda_emulator.run(
             body,
             inputs=[
                 ("q", q_buffer, (T * H * D, D, H * D, 1)),  # (1, H, T, D) over a (T, H, D) buffer
@@ -104,14 +132,17 @@ def test_cuda_body_on_the_cpu_matches_numpy():
                 ("parents", np.array(parents, np.int32), None),
                 ("prefix", np.array([prefix], np.int32), None),
                 ("scale", np.array([D**-0.5], np.float32), None),
+                ("positions", positions, None),
+                ("freqs", freqs, None),
             ],
-            outputs=[("out", (1, T, H, D))],
+            outputs=[("out", (1, T, H, D)), ("rk", (1, KV, T, D))],
             template=template,
             blocks=T * H,
             threads=threads,
         )
-        want = numpy_attention(seen(q_buffer), k, v, seen(tk_buffer), seen(tv_buffer), parents, prefix, D**-0.5)
-        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
+        want = numpy_attention(seen(q_buffer), k, v, seen(tk_buffer), seen(tv_buffer), parents, prefix, D**-0.5, positions, freqs)
+        for g, w in zip(got, want):  # the output, the turned keys
+            np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"{name} {H}/{KV} heads, D={D}, prefix {prefix}")
 
 
 # Half types: the kernel accumulates in float32 and rounds the output to the half type once, as
@@ -124,20 +155,26 @@ def check_parity(backend, dtype):
     for name, parents in TREES.items():
         for i, (H, KV, D, prefix) in enumerate(SHAPES):
             q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=i)
+            positions, freqs = (mx.array(a) for a in rope_case(parents, D, prefix, seed=i))
             with mx.stream(mx.gpu):
-                # strided, as after RoPE; the cache's whole buffer, stale rows included
+                # strided, as out of the projection; the cache's whole buffer, stale rows included
                 q, tk, tv = (mx.array(b).astype(dtype).swapaxes(0, 1)[None] for b in (q_buffer, tk_buffer, tv_buffer))
                 keys, values = mx.array(k).astype(dtype), mx.array(v).astype(dtype)
-                got = tree_attention(q, keys, values, tk, tv, mx.array(parents, mx.int32),
-                                     mx.array([prefix], mx.int32), mx.array([D**-0.5], mx.float32), backend=backend)
-            # The same rounded inputs in exact float32 (the CPU stream: MLX's CUDA backend multiplies
-            # float32 in TF32, and the CPU's half-type attention rounds every step), rounded once.
+                got = tree_attention(q, keys, values, tk, tv, mx.array(parents, mx.int32), mx.array([prefix], mx.int32),
+                                     mx.array([D**-0.5], mx.float32), positions, freqs, backend=backend)
+            # The queries and keys turned by MLX's RoPE in the dtype (rounded to it, as the kernel
+            # rounds them), then attention on the same rounded inputs in exact float32 (the CPU
+            # stream: MLX's CUDA backend multiplies float32 in TF32, and the CPU's half-type
+            # attention rounds every step; position 0 turns nothing), rounded once.
             with mx.stream(mx.cpu):
+                q, tk = (apply_rope_at(a.transpose(2, 1, 0, 3), freqs, positions).transpose(2, 1, 0, 3) for a in (q, tk))
                 arrays = (mx.array(np.array(a.astype(mx.float32))) for a in (q, keys, values, tk, tv))
-                want = tree_attention_ref(*arrays, mx.array(ancestor_mask(parents)), prefix, D**-0.5).astype(dtype)
-            got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-            np.testing.assert_allclose(got, want, atol=PARITY_TOL[dtype], err_msg=f"{dtype} {name} {H}/{KV} heads, D={D}, prefix {prefix}")
-            worst = max(worst, float(np.abs(got - want).max()))
+                out, _ = tree_attention_ref(*arrays, mx.array(ancestor_mask(parents)), prefix, D**-0.5, mx.zeros_like(positions), freqs)
+            # turned keys: the kernel's float32 cos and sin may round a key the other way (1 ulp, up to 4 PARITY_TOL at |key| < 8)
+            for g, w, what, tol in zip(got, (out.astype(dtype), tk), ("output", "turned keys"), (PARITY_TOL[dtype], 4 * PARITY_TOL[dtype])):
+                g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+                np.testing.assert_allclose(g, w, atol=tol, err_msg=f"{dtype} {what} {name} {H}/{KV} heads, D={D}, prefix {prefix}")
+                worst = max(worst, float(np.abs(g - w).max()))
     print(f"\n{backend} {dtype}: max |kernel - reference| {worst:.3g}")
 
 

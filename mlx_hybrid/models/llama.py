@@ -91,30 +91,35 @@ class Attention(nn.Module):
         pos, bound = tree.position(cache.offset)
         depths = tree.node_depths()
         positions = tree.once(("positions", tree.host_offset(cache.offset)), lambda: pos + depths)
-        q, k, v = self.tree_qkv(x, positions)
-        keys, values, row = cache.hold_tree(k, v, pos, bound)
-        if tree_kernel(q, keys, cache.window):
-            return self.tree_attend(q, k, v, keys, values, row, tree.once("parents", tree.parent_array), None)
-        return self.tree_attend(q, k, v, keys, values, row, None, cache.tree_mask(tree, row, depths))
-
-    def tree_qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries, keys and values (1, heads, nodes, head_dim) of tree nodes x (1, nodes, hidden)
-        at positions (nodes,): a node per batch entry in RoPE, so that each gets its own position."""
-        L = x.shape[1]
-        qk, v = mx.split(self.qkv_proj(x).reshape(L, -1, 1, self.head_dim), [self.n_heads + self.n_kv_heads], axis=1)
-        q, k = mx.split(apply_rope_at(qk, self._freqs, positions).transpose(2, 1, 0, 3), [self.n_heads], axis=1)
-        return q, k, v.transpose(2, 1, 0, 3)
-
-    def tree_attend(self, q, k, v, keys, values, row, parents, mask) -> mx.array:
-        """The nodes' attention output, projected: over the cache buffers' rows before `row` and
-        each node's own ancestors, by the tree kernel (mask None) or by MLX's attention with `mask`
-        over the buffer followed by the nodes."""
-        if mask is None:
-            out = tree_attention(q, keys, values, k, v, parents, row, self._scale, backend=kernel_backend())
+        qk, v = self.tree_qkv(x)
+        keys, values, row = cache.tree_buffers(L, pos, bound, v)
+        if tree_kernel(qk, keys, cache.window):
+            out, k = self.tree_attend(qk, v, keys, values, row, positions, tree.once("parents", tree.parent_array), None)
         else:
+            out, k = self.tree_attend(qk, v, keys, values, row, positions, None, cache.tree_mask(tree, row, depths))
+        cache.hold_tree(k, v, pos, bound)
+        return out
+
+    def tree_qkv(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Queries and keys (1, heads + kv_heads, nodes, head_dim) before RoPE, and values (1,
+        kv_heads, nodes, head_dim), of tree nodes x (1, nodes, hidden): views of the projection."""
+        qk, v = mx.split(self.qkv_proj(x).reshape(x.shape[1], -1, 1, self.head_dim), [self.n_heads + self.n_kv_heads], axis=1)
+        return qk.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3)
+
+    def tree_attend(self, qk, v, keys, values, row, positions, parents, mask) -> tuple[mx.array, mx.array]:
+        """The nodes' attention output, projected, and their keys after RoPE (at positions): over
+        the cache buffers' rows before `row` and each node's own ancestors, by the tree kernel
+        (mask None), which turns the queries and keys itself, or by MLX's RoPE and attention with
+        `mask` over the buffer followed by the nodes."""
+        q, k = mx.split(qk, [self.n_heads], axis=1)
+        if mask is None:
+            out, k = tree_attention(q, keys, values, k, v, parents, row, self._scale, positions, self._freqs, backend=kernel_backend())
+        else:
+            # a node per batch entry in RoPE, so that each gets its own position
+            q, k = mx.split(apply_rope_at(qk.transpose(2, 1, 0, 3), self._freqs, positions).transpose(2, 1, 0, 3), [self.n_heads], axis=1)
             keys, values = mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
-        return self.o_proj(out.reshape(1, q.shape[2], -1))
+        return self.o_proj(out.reshape(1, q.shape[2], -1)), k
 
 
 class MLP(nn.Module):
@@ -148,8 +153,9 @@ class DecoderLayer(nn.Module):
         """This layer over tree nodes h inside the compiled pass (`Model._placed_tree_arrays`),
         with the cache's buffers; returns h and the nodes' keys and values (for `hold_tree`)."""
         attn = self.self_attn
-        q, k, v = attn.tree_qkv(self.input_layernorm(h), at.positions)
-        h = h + attn.tree_attend(q, k, v, keys, values, at.pos, at.parents, at.mask(q, keys))
+        qk, v = attn.tree_qkv(self.input_layernorm(h))
+        out, k = attn.tree_attend(qk, v, keys, values, at.pos, at.positions, at.parents, at.mask(qk, keys))
+        h = h + out
         return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
 
 
