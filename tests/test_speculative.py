@@ -394,10 +394,12 @@ def test_medusa_layout_matches_pytorch_reference(target, tmp_path, exact_float32
     config = dict(model_type="medusa", medusa_num_heads=3, medusa_num_layers=2, hidden_size=H, vocab_size=V)
     _save(ref, tmp_path / "medusa", config)
     heads = load_medusa(tmp_path / "medusa", model, "float32")
-    h = np.random.default_rng(0).standard_normal((5, H)).astype(np.float32)
-    with torch.no_grad():
-        want = np.stack([head(torch.from_numpy(h)).numpy() for head in ref.medusa_head])
-    np.testing.assert_allclose(np.array(heads(mx.array(h))), want, atol=1e-5)
+    assert heads._stacks  # loaded heads run stacked (`fuse`): five rows as matmuls, one as matrix-vector products
+    for h in (np.random.default_rng(0).standard_normal((5, H)).astype(np.float32), np.ones((1, H), np.float32)):
+        with torch.no_grad():
+            want = np.stack([head(torch.from_numpy(h)).numpy() for head in ref.medusa_head])
+        np.testing.assert_allclose(np.array(heads(mx.array(h))), want, atol=1e-5)
+        np.testing.assert_allclose(np.array(heads(mx.array(h[0]))), want[:, 0], atol=1e-5)
 
 
 @pytest.mark.parametrize("exit_dim", [None, 48])
