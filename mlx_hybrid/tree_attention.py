@@ -33,17 +33,33 @@ def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, tree_keys:
     return out.transpose(0, 2, 1, 3), tree_keys
 
 
-# Visible rows a simdgroup scores side by side (metal_kernels/tree_attention.cu): 8 and 8 simdgroups
-# were the quickest of 4/8/16 and 4/8 for SmolLM2-135M's heads (9 x 64) on the H100.
-ROWS = 8
+# Visible rows a lane group scores side by side, and simdgroups a threadgroup (metal_kernels/
+# tree_attention.cu): ROWS 4 and WARPS 8 for SmolLM2-135M's heads (9 x 64 over 3 KV heads) on the H100.
+ROWS = 4
+WARPS = 8
+# Threadgroup memory a kernel may take: Apple GPUs give 32 KB (CUDA's static limit is 48 KB).
+SHARED_BYTES = 32 << 10
 
 
-def launch(H: int, KV: int, T: int, D: int, dtype) -> tuple[list, int]:
-    """The kernel's template and threads a threadgroup (one threadgroup per node and query head)
-    for H query heads over KV key/value heads, T nodes, head size D, in dtype."""
-    lanes = -(-D // 32)  # head-dimension elements per lane
-    warps = max(8, lanes)  # the merge gives each of the D outputs a thread
-    return [("T", dtype), ("H", H), ("R", H // KV), ("TN", T), ("D", D), ("E", lanes), ("NW", warps), ("B", ROWS)], warps * 32
+def lanes_per_row(D: int) -> int:
+    """Lanes that share a row (a power of two that divides D), so each holds at least 8 elements."""
+    G = 32
+    while G > 1 and (D % G or D // G < 8):
+        G //= 2
+    return G
+
+
+def launch(H: int, KV: int, T: int, D: int, dtype) -> tuple[list, int, int] | None:
+    """The kernel's template, threadgroups (one per node and KV head) and threads a threadgroup
+    for H query heads over KV key/value heads, T nodes, head size D, in dtype; None when its
+    threadgroup memory would not fit (then the caller takes the reference)."""
+    R, G = H // KV, lanes_per_row(D)
+    for warps in (WARPS, WARPS // 2, 1):
+        shared = 4 * (2 * T + 1 + R * D + warps * R * (D + 2)) + dtype.size * T * D
+        if shared <= SHARED_BYTES:
+            template = [("T", dtype), ("H", H), ("R", R), ("TN", T), ("D", D), ("G", G), ("E", D // G), ("NW", warps), ("B", ROWS)]
+            return template, T * KV, warps * 32
+    return None
 
 
 def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
@@ -55,25 +71,29 @@ def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.
     whole buffer)."""
     _, H, T, D = q.shape
     KV = keys.shape[1]
-    template, threads = launch(H, KV, T, D, q.dtype)
+    template, groups, threads = launch(H, KV, T, D, q.dtype)
     names = ("q", "k", "v", "tk", "tv", "parents", "prefix", "scale", "positions", "freqs")
     kernel = load_kernel(backend, "tree_attention", names, ("out", "rk"), contiguous=False)
     return kernel(
         inputs=[q, keys, values, tree_keys, tree_values, parents, prefix, scale, positions, freqs],
         template=template,
-        grid=(T * H * threads, 1, 1),
+        grid=(groups * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, T, H, D), (1, KV, T, D)],
         output_dtypes=[q.dtype, q.dtype],
     )
 
 
-def tree_kernel(q: mx.array, keys: mx.array, window: int | None) -> str | None:
-    """The backend whose kernel can run this layer's tree attention, if any: the kernel takes one
-    sequence, keys in the queries' dtype, and no sliding window that hides part of the cache."""
+def tree_kernel(qk: mx.array, keys: mx.array, window: int | None) -> str | None:
+    """The backend whose kernel can run this layer's tree attention, if any, for the nodes'
+    queries and keys qk (1, heads + kv_heads, nodes, D) over the cache's keys: the kernel takes
+    one sequence, keys in the queries' dtype, no sliding window that hides part of the cache, and
+    a tree whose turned keys fit its threadgroup memory."""
     backend = kernel_backend()
-    if backend is None or q.shape[0] != 1 or keys.dtype != q.dtype:
+    if backend is None or qk.shape[0] != 1 or keys.dtype != qk.dtype:
         return None
     if window is not None and keys.shape[2] > window:
         return None
-    return backend
+    _, heads, T, D = qk.shape
+    KV = keys.shape[1]
+    return backend if launch(heads - KV, KV, T, D, qk.dtype) else None

@@ -120,7 +120,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
         q_buffer, k, v, tk_buffer, tv_buffer = make_case(parents, H, KV, D, prefix, seed=10 + i)
         S = k.shape[2]
         positions, freqs = rope_case(parents, D, prefix, seed=10 + i)
-        template, threads = launch(H, KV, T, D, "float")
+        template, groups, threads = launch(H, KV, T, D, mx.float32)
         got = cuda_emulator.run(
             body,
             inputs=[
@@ -136,8 +136,8 @@ def test_cuda_body_on_the_cpu_matches_numpy():
                 ("freqs", freqs, None),
             ],
             outputs=[("out", (1, T, H, D)), ("rk", (1, KV, T, D))],
-            template=template,
-            blocks=T * H,
+            template=[(k, "float" if k == "T" else v) for k, v in template],
+            blocks=groups,
             threads=threads,
         )
         want = numpy_attention(seen(q_buffer), k, v, seen(tk_buffer), seen(tv_buffer), parents, prefix, D**-0.5, positions, freqs)

@@ -170,8 +170,8 @@ class PlacedTree:
     visible: mx.array
     _mask: mx.array | None = None
 
-    def mask(self, q: mx.array, keys: mx.array) -> mx.array | None:
-        if tree_kernel(q, keys, None):
+    def mask(self, qk: mx.array, keys: mx.array) -> mx.array | None:
+        if tree_kernel(qk, keys, None):
             return None
         if self._mask is None:
             self._mask = tree_mask_over(keys.shape[2], self.pos, self.visible)
