@@ -13,8 +13,8 @@ a new directory: random weights in SmolLM2-135M's shape with untrained heads
 (benchmarks/speculative.py's). 256 context tokens, each timing the median of 20 synchronous runs
 (milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
 target as `hybrid convert` does by default. Prints JSON. --passes: only the pipelined decode
-step and passes, for each variant of the pass (the per-row path's byte budget, the placed-tree
-pass compiled or eager), the variants interleaved in 3 rounds. --split: only the pipelined
+step and passes, for each variant of the pass (the row kernel for the projections or MLX's
+matmuls, the placed-tree pass compiled or eager), the variants interleaved in 3 rounds. --split: only the pipelined
 decode step and passes in 5 rounds, each split into the host's building, dispatching and waiting
 (a loop that waits is bound by the device, one that does not by the host).
 
@@ -104,17 +104,17 @@ with mx.stream(generation_stream):
                 out[f"{method}_r{r}"] = split(_greedy_passes(model, p, cache, mx.array([7], mx.int32), hidden), 20)
                 trim_cache(cache, cache[0].offset - 256)
         print(json.dumps(out, indent=1)); sys.exit()
-    # The pass's variants, interleaved in rounds: the projections' per-row path under each byte
-    # budget (0: MLX's matmuls), with and without the compiled placed-tree pass (llama.Model).
-    variants = [(f"_rows{rb >> 20}mb{'' if c else '_eager'}", rb, c) for rb in (0, 24 << 20, 128 << 20) for c in (True, False)]
+    # The pass's variants, interleaved in rounds: the projections on the row kernel or (rows 0)
+    # on MLX's matmuls, with and without the compiled placed-tree pass (llama.Model).
+    variants = [(f"_rows{rb}{'' if c else '_eager'}", rb, c) for rb in (0, linear.ROWS) for c in (True, False)]
     for r in range(3 if passes_only else 1):
-        for suffix, rb, compiled in variants if passes_only else [("", linear.ROW_BYTES, True)]:
-            saved = linear.ROW_BYTES, llama.Model._compiles_placed_trees
-            linear.ROW_BYTES, model._placed_tree_fn = rb, None  # traced anew under this budget
+        for suffix, rb, compiled in variants if passes_only else [("", linear.ROWS, True)]:
+            saved = linear.ROWS, llama.Model._compiles_placed_trees
+            linear.ROWS, model._placed_tree_fn = rb, None  # traced anew under this limit
             if not compiled:
                 llama.Model._compiles_placed_trees = lambda self, cache: False
             pipelined(suffix + (f"_r{r}" if passes_only else ""))
-            linear.ROW_BYTES, llama.Model._compiles_placed_trees = saved
+            linear.ROWS, llama.Model._compiles_placed_trees = saved
     if passes_only:
         print(json.dumps(out, indent=1)); sys.exit()
     def fwd(tokens, tree):
@@ -130,11 +130,11 @@ with mx.stream(generation_stream):
         for shape, tree in (("chain", Tree.chain(T)), ("tree", Tree.from_parents(par))):
             if kernel_backend():
                 out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
-                # every projection on MLX's matmul, then every one on the per-row path
-                for suffix, row_bytes in (("_matmul", 0), ("_rows", 1 << 40)):
-                    row_bytes, linear.ROW_BYTES = linear.ROW_BYTES, row_bytes
+                # every projection on MLX's matmul, then every one on the row kernel
+                for suffix, rows in (("_matmul", 0), ("_rows", 64)):
+                    rows, linear.ROWS = linear.ROWS, rows
                     out[f"T{T}_{shape}_kernel{suffix}"] = ms(fwd(toks, tree))
-                    linear.ROW_BYTES = row_bytes
+                    linear.ROWS = rows
             kernel, llama.tree_kernel = llama.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
             llama.tree_kernel = kernel
@@ -166,7 +166,7 @@ with mx.stream(generation_stream):
     ops = {
         "add": lambda x: x + 1,
         "matmul": lambda x: x @ W.T,
-        "rows_matmul": rows_sq,  # mlx_hybrid.models.linear's per-row path (1 row: the same gemv)
+        "rows_matmul": rows_sq,  # mlx_hybrid.models.linear's row kernel (1 row: MLX's gemv)
         "mlp_pair": lambda x: down(up(x)),  # 576 -> 3072 -> 576: two matmuls an op
         "rows_mlp_pair": lambda x: rows_down(rows_up(x)),
         "qmm4": lambda x: mx.quantized_matmul(x, *q4, True, 64, 4),
@@ -174,7 +174,6 @@ with mx.stream(generation_stream):
         "rms_norm": lambda x: mx.fast.rms_norm(x, None, 1e-5),
         "transpose": lambda x: x.T,  # a view: no data moves (what graph_ops.py counts apart)
     }
-    row_bytes, linear.ROW_BYTES = linear.ROW_BYTES, 1 << 40  # the rows_ ops always take the per-row path
     for name, op in ops.items():
         # Matmuls at every pass size: how a verification's cost grows with its candidates.
         for T in (1, 8, 17, 34, 64) if "matmul" in name or name in ("qmm4", "mlp_pair", "rows_mlp_pair") else (1, 34):
@@ -190,7 +189,6 @@ with mx.stream(generation_stream):
                 return b
             out[f"op_{name}_T{T}_us"] = round(1000 * ms(lambda: mx.eval(chain())) / 200, 2)
             out[f"op_{name}_T{T}_host_us"] = round(1e6 * median(host() for _ in range(10)) / 200, 2)
-    linear.ROW_BYTES = row_bytes
     for method in methods:
         p = load_proposer(method, model, d)
         root = mx.array([7], mx.int32)
