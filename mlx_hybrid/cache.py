@@ -89,14 +89,23 @@ class KVCache:
         per array rather than a write of every node and then a move of the path. Returns
         `tree_buffers`."""
         held = self.tree_buffers(keys.shape[2], pos, bound, keys)
-        self.pending = (held[2], keys, values)
+        self.hold(held[2], keys, values)
         return held
+
+    def hold(self, row: mx.array, keys: mx.array, values: mx.array):
+        """`hold_tree` for a tree whose room is made already (`tree_buffers`, `make_room`), node 0
+        at buffer row `row`."""
+        self.pending = (row, keys, values)
 
     def tree_buffers(self, n: int, pos: mx.array, bound: int, like: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The whole buffers, with room for a tree of n nodes (1, KV, n, D) like `like` at pos
         (`hold_tree`), and the buffer row where node 0 goes (rows before it precede the tree)."""
         self.make_room(n, bound, like, like)
-        return self.keys, self.values, pos if self.start == 0 else pos - self.start
+        return self.keys, self.values, self.buffer_row(pos)
+
+    def buffer_row(self, pos: mx.array) -> mx.array:
+        """The buffer row of absolute position pos."""
+        return pos if self.start == 0 else pos - self.start
 
     def make_room(self, n: int, bound: int, keys: mx.array | None = None, values: mx.array | None = None):
         """Buffer rows for a tree of n nodes placed at absolute position <= bound (`hold_tree`),

@@ -97,7 +97,7 @@ class Attention(nn.Module):
             out, k = self.tree_attend(qk, v, keys, values, row, positions, tree.once("parents", tree.parent_array), None)
         else:
             out, k = self.tree_attend(qk, v, keys, values, row, positions, None, cache.tree_mask(tree, row, depths))
-        cache.hold_tree(k, v, pos, bound)
+        cache.hold(row, k, v)
         return out
 
     def tree_qkv(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -151,7 +151,7 @@ class DecoderLayer(nn.Module):
 
     def placed_tree(self, h: mx.array, keys: mx.array, values: mx.array, at: "PlacedTree"):
         """This layer over tree nodes h inside the compiled pass (`Model._placed_tree_arrays`),
-        with the cache's buffers; returns h and the nodes' keys and values (for `hold_tree`)."""
+        with the cache's buffers; returns h and the nodes' keys and values (for `KVCache.hold`)."""
         attn = self.self_attn
         qk, v = attn.tree_qkv(self.input_layernorm(h))
         out, k = attn.tree_attend(qk, v, keys, values, at.pos, at.positions, at.parents, at.mask(qk, keys))
@@ -240,7 +240,7 @@ class Model(nn.Module):
         logits, h, *held = self._placed_tree_fn(tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *arrays)
         for c, a, b in zip(cache, held[::2], held[1::2]):
             if isinstance(c, KVCache):
-                c.hold_tree(a, b, tree.pos, bound)
+                c.hold(c.buffer_row(tree.pos), a, b)  # room made above
             else:
                 c.hold_nodes([a, b])
         return logits, h
