@@ -17,11 +17,12 @@ import shutil
 import struct
 import subprocess
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_hybrid.kernels import kernel_source
 
 AVAILABLE = shutil.which("g++") is not None
 
@@ -131,7 +132,7 @@ def load_kernel(backend: str, name: str, inputs: tuple[str, ...], outputs: tuple
     arguments, runs the CUDA body on the CPU (in float32) and returns MLX arrays of the requested
     dtypes. Inputs that the kernel takes with their strides (contiguous=False) are handed over as
     row-major copies with those strides."""
-    body = resources.files("mlx_hybrid.metal_kernels").joinpath(name + ".cu").read_text()
+    body = kernel_source("cuda", name)  # as MLX gets it
 
     def launch(*, inputs: list, template: list, grid: tuple, threadgroup: tuple, output_shapes: list, output_dtypes: list, **_):
         arrays = []

@@ -6,6 +6,8 @@ from importlib import resources
 
 import pytest
 
+from mlx_hybrid.kernels import kernel_source
+
 SHARED = [("expf(", "metal::exp("), ("logf(", "metal::log(")]
 BEAM_TOPK = [
     ("threadIdx.x", "thread_position_in_threadgroup.x"),
@@ -69,3 +71,13 @@ def test_kernel_twins_stay_parallel(kernel):
         for old, new in SPELLINGS[kernel] + SHARED:
             a = a.replace(old, new)
         assert a == b, f"{kernel} line {i} differs beyond the CUDA/Metal spellings"
+
+
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_kernel_source_drops_comments_and_keeps_lines(backend):
+    suffix = {"cuda": ".cu", "metal": ".metal"}[backend]
+    for kernel in sorted(SPELLINGS):
+        raw = resources.files("mlx_hybrid.metal_kernels").joinpath(kernel + suffix).read_text().splitlines()
+        lines = kernel_source(backend, kernel).splitlines()
+        assert len(lines) == len(raw) and "//" not in "\n".join(lines)
+        assert [line.split("//")[0].strip() for line in raw] == lines

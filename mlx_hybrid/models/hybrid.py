@@ -197,6 +197,12 @@ class CausalConv(nn.Module):
         return window, self.weight.reshape(C, K), bias
 
 
+def _batched(a: mx.array) -> mx.array:
+    """a (batch, tokens, features) as `ssm_step` takes it, from a compiled pass's (nodes,
+    features), whose projections then take the nodes as rows of a matrix without a reshape."""
+    return a.reshape(-1, *a.shape[-2:])
+
+
 def _parents(tree) -> mx.array | None:
     """The tree's parents for `ssm_step` (one array per pass, shared with the attention layers)."""
     return None if tree is None else tree.once("parents", tree.parent_array)
@@ -234,15 +240,15 @@ class Mamba(nn.Module):
 
     def kernel_step(self, u, window, state, parents, backend: str):
         """The mixer on `ssm_step`: output, window and state after one token u, or with parents
-        after each node of the tree u."""
+        after each node of the tree u (([batch,] tokens, hidden): see `_batched`)."""
         proj = self.in_proj(u)
         dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
         d_xb, d_inner = self.d_xb, self.d_inner
         y, window, state = ssm_step(
-            proj, dt, *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state, parents,
-            mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
+            _batched(proj), _batched(dt), *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state,
+            parents, mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
         )
-        return self.out_proj(y), window, state
+        return self.out_proj(y.reshape(*u.shape[:-1], -1)), window, state
 
     def project(self, u: mx.array):
         """x, z, B, C, dt (pre-softplus) for input u, KV groups expanded (see the class docstring)."""
@@ -290,12 +296,13 @@ class Mamba2(nn.Module):
     def kernel_step(self, u, window, state, parents, backend: str):
         """The mixer on `ssm_step`: output, window and state after one token u, or with parents
         after each node of the tree u."""
-        proj = self.in_proj(u)
+        proj = _batched(self.in_proj(u))  # u: ([batch,] tokens, hidden), see `_batched`
         y, window, state = ssm_step(
             proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
             state, parents, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
         )
-        return self.out_proj(_head_rms_norm(y, self.norm.weight, self.d_state, self.eps)), window, state
+        y = _head_rms_norm(y, self.norm.weight, self.d_state, self.eps)
+        return self.out_proj(y.reshape(*u.shape[:-1], -1)), window, state
 
     def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
         """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""

@@ -46,10 +46,18 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str) -> mx.array:
     )[0]
 
 
+def row_product(x: mx.array, w: mx.array) -> mx.array | None:
+    """x (..., K) @ w (N, K)^T on the row kernel where it takes x: 2..ROWS rows in w's dtype, on
+    CUDA; else None."""
+    rows = x.size // x.shape[-1]
+    if rows == 1 or rows > ROWS or kernel_backend() != "cuda" or x.dtype != w.dtype:
+        return None
+    return row_matmul(x.reshape(rows, -1), w, backend="cuda").reshape(*x.shape[:-1], -1)
+
+
 class Linear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if rows == 1 or rows > ROWS or kernel_backend() != "cuda" or x.dtype != self.weight.dtype:
+        y = row_product(x, self.weight)
+        if y is None:
             return super().__call__(x)
-        y = row_matmul(x.reshape(rows, -1), self.weight, backend="cuda").reshape(*x.shape[:-1], -1)
         return y + self.bias if "bias" in self else y

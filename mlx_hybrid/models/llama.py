@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache, tree_mask_over
-from mlx_hybrid.models.linear import Linear
+from mlx_hybrid.models.linear import Linear, row_product
 from mlx_hybrid.rope import apply_rope, apply_rope_at, rope_frequencies
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention, tree_kernel
@@ -98,19 +98,19 @@ class Attention(nn.Module):
         else:
             out, k = self.tree_attend(qk, v, keys, values, row, positions, None, cache.tree_mask(tree, row, depths))
         cache.hold(row, k, v)
-        return out
+        return out[None]
 
     def tree_qkv(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Queries and keys (1, heads + kv_heads, nodes, head_dim) before RoPE, and values (1,
-        kv_heads, nodes, head_dim), of tree nodes x (1, nodes, hidden): views of the projection."""
-        qk, v = mx.split(self.qkv_proj(x).reshape(x.shape[1], -1, 1, self.head_dim), [self.n_heads + self.n_kv_heads], axis=1)
+        kv_heads, nodes, head_dim), of tree nodes x ([1,] nodes, hidden): views of the projection."""
+        qk, v = mx.split(self.qkv_proj(x).reshape(x.shape[-2], -1, 1, self.head_dim), [self.n_heads + self.n_kv_heads], axis=1)
         return qk.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3)
 
     def tree_attend(self, qk, v, keys, values, row, positions, parents, mask) -> tuple[mx.array, mx.array]:
-        """The nodes' attention output, projected, and their keys after RoPE (at positions): over
-        the cache buffers' rows before `row` and each node's own ancestors, by the tree kernel
-        (mask None), which turns the queries and keys itself, or by MLX's RoPE and attention with
-        `mask` over the buffer followed by the nodes."""
+        """The nodes' attention output, projected (nodes, hidden), and their keys after RoPE (at
+        positions): over the cache buffers' rows before `row` and each node's own ancestors, by the
+        tree kernel (mask None), which turns the queries and keys itself, or by MLX's RoPE and
+        attention with `mask` over the buffer followed by the nodes."""
         q, k = mx.split(qk, [self.n_heads], axis=1)
         if mask is None:
             out, k = tree_attention(q, keys, values, k, v, parents, row, self._scale, positions, self._freqs, backend=kernel_backend())
@@ -119,7 +119,7 @@ class Attention(nn.Module):
             q, k = mx.split(apply_rope_at(qk.transpose(2, 1, 0, 3), self._freqs, positions).transpose(2, 1, 0, 3), [self.n_heads], axis=1)
             keys, values = mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
-        return self.o_proj(out.reshape(1, q.shape[2], -1)), k
+        return self.o_proj(out.reshape(q.shape[2], -1)), k
 
 
 class MLP(nn.Module):
@@ -198,7 +198,7 @@ class Model(nn.Module):
         self.args = args
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self._placed_tree_fn = None  # `_placed_tree_arrays` compiled, made at the first such pass
 
     def __call__(self, tokens: mx.array, cache: list | None = None, return_hidden: bool = False, tree=None):
@@ -217,7 +217,11 @@ class Model(nn.Module):
         return (logits, h) if return_hidden else logits
 
     def _logits(self, h: mx.array) -> mx.array:
-        return self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        if not self.args.tie_word_embeddings:
+            return self.lm_head(h)
+        embed = self.model.embed_tokens  # a pass's nodes on the row kernel, as the projections (linear.py)
+        y = row_product(h, embed.weight) if type(embed) is nn.Embedding else None
+        return embed.as_linear(h) if y is None else y
 
     def _compiles_placed_trees(self, cache: list) -> bool:
         return all(layer.compiles_tree(c) for layer, c in zip(self.layers, cache))
@@ -249,12 +253,14 @@ class Model(nn.Module):
         """Logits, hidden states and each layer's two held arrays (see `_placed_tree`) of tree
         nodes tokens (1, n) with node 0 at pos, over caches whose arrays (two a layer, in turn)
         hold the context before pos."""
-        h, at, held = self.model.embed_tokens(tokens), PlacedTree(pos, pos + depths, parents, visible), []
+        # The nodes as rows of a matrix (nodes, hidden): no projection then reshapes them (each
+        # reshape is a node of the graph, which costs the host about a microsecond a pass).
+        h, at, held = self.model.embed_tokens(tokens.reshape(-1)), PlacedTree(pos, pos + depths, parents, visible), []
         for layer, a, b in zip(self.layers, arrays[::2], arrays[1::2]):
             h, kept = layer.placed_tree(h, a, b, at)
             held += kept
         h = self.model.norm(h)
-        return self._logits(h), h, *held
+        return self._logits(h)[None], h[None], *held
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache(self.args.sliding_window) for _ in self.model.layers]

@@ -53,7 +53,7 @@ class Drafter(nn.Module):
         if E != 2 * H:
             self.input_proj = Linear(2 * H, E)
         self.lm_head = [ResBlock(E) for _ in range(config.num_draft_layers)] + [
-            nn.Linear(E, config.vocab_size, bias=False)
+            Linear(E, config.vocab_size, bias=False)  # the beams as rows: one read of the weight (linear.py)
         ]
         if config.rnn:
             self.rnn_u = Linear(H, H, bias=True)

@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Where the host spends each iteration of the greedy speculative loop (`_greedy_passes`), as
+`speculative.py` runs it: a fresh cache a run, 64 tokens (or TOKENS). For every iteration, milliseconds
+from the yield before it: building the pass (the model call), acceptance, the next draft, the
+dispatch (`mx.async_eval`), reading the pass behind (`_read`: the wait for the device), and the
+yield. Run 0 warms up; runs 1-3 are printed, the first iterations one by one and the rest as
+medians, beside plain decoding's gaps between tokens. Shows what the first passes of a run cost
+beyond the steady ones.
+
+MODEL: a directory with medusa/ and redrafter/ (or a new one: random weights in SmolLM2-135M's
+shape, `speculative.py`'s untrained heads); PROMPT: chat (the benchmark's first held-out chat
+question, in the chat template) or a number of random tokens.
+
+    python3 benchmarks/gpu/pass_phases.py MODEL chat|N OUT [TOKENS]
+    python3 benchmarks/gpu/pass_phases.py /tmp/mt chat $OUT/phases.json
+"""
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
+
+import mlx_hybrid.speculative.generate as loop  # noqa: E402
+from mlx_hybrid.chat import render_chat  # noqa: E402
+from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
+from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
+from mlx_hybrid.profiles import Settings  # noqa: E402
+from mlx_hybrid.speculative import accept  # noqa: E402
+
+d, kind, out_path = synthetic_target(Path(sys.argv[1])), sys.argv[2], Path(sys.argv[3])
+N = int(sys.argv[4]) if len(sys.argv) > 4 else 64  # tokens a run
+model = load_model(d)
+if kind == "chat":
+    prompt = render_chat(load_tokenizer(d), [{"role": "user", "content": CHAT_PROMPTS.read_text().splitlines()[0]}])
+else:
+    prompt = mx.random.randint(0, model.args.vocab_size, (int(kind),), key=mx.random.key(0)).tolist()
+
+log = []  # (phase, start, end)
+
+
+def stamped(name, fn):
+    def run(*args, **kwargs):
+        t = time.perf_counter()
+        r = fn(*args, **kwargs)
+        log.append((name, t, time.perf_counter()))
+        return r
+    return run
+
+
+cls = type(model)
+cls.__call__ = stamped("build", cls.__call__)
+accept.greedy_rows = stamped("accept", accept.greedy_rows)
+loop.accept_on_device = stamped("cache", loop.accept_on_device)
+loop._read = stamped("read", loop._read)
+mx.async_eval = stamped("dispatch", mx.async_eval)
+
+runs = {}
+for name, method, settings in [("medusa", "medusa", None), ("redrafter4x5", "redrafter", Settings(4, 5))]:
+    p = loop.load_proposer(method, model, d, settings=settings)
+    p.draft = stamped("draft", p.draft)
+    runs[name] = (lambda p: lambda: (new for new, _ in loop.speculative_steps(model, p, prompt, model.make_cache(), SamplingParams())))(p)
+argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+runs["plain"] = lambda: ((t,) for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), argmax, max_tokens=N))
+
+out = {}
+for rnd in range(4):
+    for name, run in runs.items():
+        log.clear()
+        yields, n = [], 0
+        for new in run():
+            yields.append(time.perf_counter())
+            n += len(new)
+            if n >= N:
+                break
+        # each iteration: the phases logged between one yield and the next, from the first yield on
+        its = []
+        for a, b in zip(yields, yields[1:]):
+            phases = {}
+            for ph, s, e in log:
+                if a <= s < b:
+                    phases[ph] = phases.get(ph, 0.0) + 1000 * (e - s)
+            its.append(dict(gap=round(1000 * (b - a), 3), **{k: round(v, 3) for k, v in phases.items()}))
+        out[f"{name}_{rnd}"] = its
+        if rnd:
+            keys = sorted({k for it in its for k in it})
+            steady = {k: round(median(it.get(k, 0.0) for it in its[3:]), 3) for k in keys} if len(its) > 4 else {}
+            total = round(1000 * (yields[-1] - yields[0]), 2)
+            print(f"{name} run {rnd}: {total} ms, {len(its)} gaps; first:", its[:3], "steady:", steady)
+out_path.write_text(json.dumps(out))
