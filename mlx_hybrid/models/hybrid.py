@@ -295,8 +295,8 @@ class Mamba2(nn.Module):
 
     def kernel_step(self, u, window, state, parents, backend: str):
         """The mixer on `ssm_step`: output, window and state after one token u, or with parents
-        after each node of the tree u."""
-        proj = _batched(self.in_proj(u))  # u: ([batch,] tokens, hidden), see `_batched`
+        after each node of the tree u (([batch,] tokens, hidden): see `_batched`)."""
+        proj = _batched(self.in_proj(u))
         y, window, state = ssm_step(
             proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
             state, parents, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
