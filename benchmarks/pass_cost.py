@@ -131,7 +131,7 @@ with mx.stream(generation_stream):
             if kernel_backend():
                 out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
                 # every projection on MLX's matmul, then every one on the row kernel
-                for suffix, rows in (("_matmul", 0), ("_rows", 64)):
+                for suffix, rows in (("_matmul", 0), ("_rows", linear.ROWS)):
                     rows, linear.ROWS = linear.ROWS, rows
                     out[f"T{T}_{shape}_kernel{suffix}"] = ms(fwd(toks, tree))
                     linear.ROWS = rows

@@ -81,25 +81,17 @@ class KVCache:
             new_v[..., : self._values.shape[2], :] = self._values
         self._keys, self._values = new_k, new_v
 
-    def hold_tree(self, keys: mx.array, values: mx.array, pos: mx.array, bound: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Hold a candidate tree's n keys/values (1, KV, n, D) until `accept`, which writes the
-        accepted path's at absolute position pos, a (1,) int32 device array the host may not know
-        yet (bound: the most it can be). Nothing is written now: attention reads the tree's rows
-        apart from the buffer (`mlx_hybrid.tree_attention`), so that accepting a path is one write
-        per array rather than a write of every node and then a move of the path. Returns
-        `tree_buffers`."""
-        held = self.tree_buffers(keys.shape[2], pos, bound, keys)
-        self.hold(held[2], keys, values)
-        return held
-
     def hold(self, row: mx.array, keys: mx.array, values: mx.array):
-        """`hold_tree` for a tree whose room is made already (`tree_buffers`, `make_room`), node 0
-        at buffer row `row`."""
+        """Hold a candidate tree's n keys/values (1, KV, n, D) until `accept`, which writes the
+        accepted path's from buffer row `row` (node 0's: `tree_buffers`, which makes the room), a
+        device array the host may not know yet. Nothing is written now: attention reads the tree's
+        rows apart from the buffer (`mlx_hybrid.tree_attention`), so that accepting a path is one
+        write per array rather than a write of every node and then a move of the path."""
         self.pending = (row, keys, values)
 
     def tree_buffers(self, n: int, pos: mx.array, bound: int, like: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The whole buffers, with room for a tree of n nodes (1, KV, n, D) like `like` at pos
-        (`hold_tree`), and the buffer row where node 0 goes (rows before it precede the tree)."""
+        (`hold`), and the buffer row where node 0 goes (rows before it precede the tree)."""
         self.make_room(n, bound, like, like)
         return self.keys, self.values, self.buffer_row(pos)
 
@@ -108,7 +100,7 @@ class KVCache:
         return pos if self.start == 0 else pos - self.start
 
     def make_room(self, n: int, bound: int, keys: mx.array | None = None, values: mx.array | None = None):
-        """Buffer rows for a tree of n nodes placed at absolute position <= bound (`hold_tree`),
+        """Buffer rows for a tree of n nodes placed at absolute position <= bound (`hold`),
         shaped like keys/values or else like the buffers already there."""
         if self.window is not None:
             self._drop_unreachable()
@@ -132,7 +124,7 @@ class KVCache:
         return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
 
     def tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
-        """Mask (n, buffer rows + n) for the tree held at buffer row `row` (`hold_tree`), over the
+        """Mask (n, buffer rows + n) for the tree held at buffer row `row` (`hold`), over the
         buffer followed by the tree's own rows: every node sees the rows before the tree (within
         the window), then itself and its ancestors. Built once per pass (`Tree.once`)."""
         key = ("mask", tree.host_offset(self.offset), self.start, self.keys.shape[2])
@@ -140,7 +132,7 @@ class KVCache:
 
     def accept(self, path: list[int]):
         """Write the accepted path's keys/values (node indices, root first, in path order) from
-        the tree the last verification pass held (`hold_tree`) after the tokens before it."""
+        the tree the last verification pass held (`hold`) after the tokens before it."""
         _, keys, values = self.pending
         self.pending = None
         base, n = self.offset - self.start, len(path)

@@ -1,7 +1,7 @@
 """Attention over the nodes of a candidate tree, the verification pass of speculative decoding:
 each node sees the cached rows before the tree, itself and its ancestors, and nothing else. The
 nodes' keys and values come apart from the cache's: the cache receives only the accepted path's,
-after the pass (`KVCache.hold_tree`), one write per array instead of a write and a move.
+after the pass (`KVCache.hold`), one write per array instead of a write and a move.
 
 `tree_attention_ref` is the ground truth, MLX's attention with that mask spelled out. On a GPU,
 `tree_attention` is one kernel launch (metal_kernels/tree_attention.cu) that walks each node's

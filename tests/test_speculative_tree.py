@@ -240,10 +240,17 @@ def kv_rows(a, b):
     return mx.broadcast_to(mx.arange(a, b, dtype=mx.float32)[None, None, :, None], (1, 2, b - a, 4))
 
 
+def hold_tree(cache, keys, values, pos, bound):
+    """What an attention layer does with a tree's keys/values: room at pos (<= bound), then hold."""
+    held = cache.tree_buffers(keys.shape[2], pos, bound, keys)
+    cache.hold(held[2], keys, values)
+    return held
+
+
 def test_kv_cache_accept_compacts():
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 5), kv_rows(100, 105))  # a 5-token prefix
-    cache.hold_tree(kv_rows(5, 11), kv_rows(105, 111), mx.array([5], mx.int32), 5)  # 6 candidate nodes
+    hold_tree(cache, kv_rows(5, 11), kv_rows(105, 111), mx.array([5], mx.int32), 5)  # 6 candidate nodes
     assert cache.offset == 5
     cache.accept([0, 2, 5])
     assert cache.offset == 8 and cache.pending is None
@@ -251,7 +258,7 @@ def test_kv_cache_accept_compacts():
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50]
     assert v[0, 1, :, 3].tolist() == [100, 101, 102, 103, 104, 105, 107, 110, 150]
     # A path that is a prefix of the nodes is written without a gather.
-    cache.hold_tree(kv_rows(60, 63), kv_rows(160, 163), mx.array([9], mx.int32), 9)
+    hold_tree(cache, kv_rows(60, 63), kv_rows(160, 163), mx.array([9], mx.int32), 9)
     cache.accept([0, 1])
     assert cache.offset == 11 and cache.keys[0, 0, :11, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50, 60, 61]
 
@@ -264,10 +271,10 @@ def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 250), kv_rows(1000, 1250))
     pos = mx.array([250], mx.int32)
-    cache.hold_tree(kv_rows(300, 306), kv_rows(1300, 1306), pos, 250)
+    hold_tree(cache, kv_rows(300, 306), kv_rows(1300, 1306), pos, 250)
     accept_on_device([cache], mx.array([0, 2, 5, 3], mx.int32), mx.array(5))  # path 0, 2, 5 of the row (n = 2)
     pos = pos + 3
-    cache.hold_tree(kv_rows(400, 410), kv_rows(1400, 1410), pos, 250 + 4)  # grows the buffer past 256
+    hold_tree(cache, kv_rows(400, 410), kv_rows(1400, 1410), pos, 250 + 4)  # grows the buffer past 256
     accept_on_device([cache], mx.array([0, 1, 4, -1], mx.int32), mx.array(4))  # path 0, 1, 4, a short row
     for n in (3, 3):
         cache.advance(n)
@@ -280,7 +287,7 @@ def test_kv_cache_accept_on_device_keeps_a_whole_chain():
     """Every node on the path (a chain accepted to its end): no row is left for the nodes off it."""
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 3), kv_rows(100, 103))
-    cache.hold_tree(kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
+    hold_tree(cache, kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
     accept_on_device([cache], mx.array([0, 1, 2, 3], mx.int32), mx.array(3))
     cache.advance(4)
     assert cache.keys[0, 0, :7, 0].tolist() == [0, 1, 2, 10, 11, 12, 13]
@@ -293,13 +300,13 @@ def test_kv_cache_writes_a_kept_path_before_the_next_write():
     row written after a trim must not be overwritten by the path's late write."""
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 3), kv_rows(100, 103))
-    cache.hold_tree(kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
+    hold_tree(cache, kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
     accept_on_device([cache], mx.array([0, 2, -1], mx.int32), mx.array(2))  # path 0, 2 (n = 1)
     cache.advance(2)
     k, v = cache.update_and_fetch(kv_rows(50, 51), kv_rows(150, 151))
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 10, 12, 50]
     assert v[0, 1, :, 1].tolist() == [100, 101, 102, 110, 112, 150]
-    cache.hold_tree(kv_rows(20, 23), kv_rows(120, 123), mx.array([6], mx.int32), 6)
+    hold_tree(cache, kv_rows(20, 23), kv_rows(120, 123), mx.array([6], mx.int32), 6)
     accept_on_device([cache], mx.array([0, 1, 2], mx.int32), mx.array(2))  # queued, never read
     cache.trim(1)
     k, _ = cache.update_and_fetch(kv_rows(60, 61), kv_rows(160, 161))
@@ -315,7 +322,7 @@ def test_kv_cache_sliding_window_keeps_a_path_the_host_has_not_read():
     for tokens, nodes, host in ((kv_rows(500, 502), [0, 1], 262), (kv_rows(600, 603), [0, 1, 2], 262), (kv_rows(700, 701), [0], 264)):
         if host == 264:
             cache.advance(2)  # the host reads A; B's rows lie past its offset when C drops rows
-        cache.hold_tree(tokens, tokens + 1000, pos, host + len(nodes))
+        hold_tree(cache, tokens, tokens + 1000, pos, host + len(nodes))
         accept_on_device([cache], mx.array(nodes, mx.int32), mx.array(nodes[-1]))
         pos = pos + len(nodes)
     cache.advance(3)
@@ -331,7 +338,7 @@ def test_tree_mask_sees_the_prefix_and_the_ancestors():
     cache = KVCache(window=4)
     cache.update_and_fetch(kv_rows(0, 5), kv_rows(0, 5))
     tree = Tree.from_parents([-1, 0, 0, 2]).at(mx.array([5], mx.int32), 5)
-    _, _, row = cache.hold_tree(kv_rows(5, 9), kv_rows(5, 9), tree.pos, tree.bound)
+    _, _, row = hold_tree(cache, kv_rows(5, 9), kv_rows(5, 9), tree.pos, tree.bound)
     mask = np.array(cache.tree_mask(tree, row, tree.node_depths()))
     rows = cache.keys.shape[2]
     want = np.zeros((4, rows + 4), bool)

@@ -79,7 +79,7 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, tree=None) -> mx.array:
         """With `tree` (a `mlx_hybrid.speculative.tree.Tree`), x holds candidate-tree nodes: each
         sees the cache and its ancestors, at position (cache offset or `tree.pos`) + depth, and
-        its keys/values wait beside the cache for `accept` (see `KVCache.hold_tree`)."""
+        its keys/values wait beside the cache for `accept` (see `KVCache.hold`)."""
         B, L, _ = x.shape
         if tree is None:
             qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
