@@ -1,6 +1,6 @@
 // Products of a few rows with a weight, CUDA body for mx.fast.cuda_kernel (MLX writes the
-// signature). Line-for-line twin of row_matmul.metal: only the thread indices and the
-// simdgroup shuffle differ.
+// signature). Line-for-line twin of row_matmul.metal: only the thread indices, the simdgroup
+// shuffle and the exp/rsqrt lines differ.
 // y = x w^T for the M rows of a verification pass, the weight read once: MLX's batched
 // matrix-vector kernel re-reads it for every row, and its other path for more than one row,
 // cuBLASLt, costs 11-19 us of host time a call (mlx_hybrid/models/linear.py).
@@ -10,11 +10,34 @@
 // of elements [l*NPT + i*32*NPT, +NPT) in order, in float32, and the 32 lanes' sums are added
 // pairwise across lane distances 16, 8, 4, 2, 1, so a node's projection equals the decode
 // step's bit for bit.
-// Inputs x (M, K), w (N, K), both row-major. Output y (M, N). Template: T, M, N, K, NPT (MLX's
-// elements a load: 4 where 128 divides K, 2 where 64 does, else 1), C, NW, MW (= ceil(M / NW)).
+// The ops around a projection in a decoder layer can come inside the same launch (a pass is
+// bound by the host's time a launch): NORM, the RMSNorm before it (weight nw, eps[0]), each
+// row's sum of squares formed by every simdgroup that takes the row; GATE, SwiGLU before it
+// (x holds the gate's K columns, then the up's); RES, the residual r added after it. Each is
+// rounded to T where MLX's own op rounds, but NORM's sum of squares is formed in another order
+// than MLX's RMSNorm forms it, so a normalized row may differ from MLX's in the last bit.
+// Inputs x (M, K or 2K with GATE), w (N, K), nw (K), eps (1), r (M, N), all row-major (an input
+// a flag leaves out is not read). Output y (M, N). Template: T, M, N, K, NPT (MLX's elements a
+// load: 4 where 128 divides K, 2 where 64 does, else 1), C, NW, MW (= ceil(M / NW)), NORM, GATE,
+// RES (0 or 1).
 const int lane = threadIdx.x % 32;
 const int m0 = threadIdx.x / 32 * MW;
 const int n0 = blockIdx.x * C;
+const int XK = GATE ? 2 * K : K;
+float inv[MW];
+for (int m = 0; m < MW; ++m) {
+  float ss = 0.0f;
+  if (NORM && m0 + m < M) {
+    for (int col = lane; col < K; col += 32) {
+      const float v = static_cast<float>(x[(m0 + m) * XK + col]);
+      ss += v * v;
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      ss += __shfl_xor_sync(0xffffffff, ss, o);
+    }
+  }
+  inv[m] = NORM ? rsqrtf(ss / K + static_cast<float>(eps[0])) : 1.0f;
+}
 float acc[MW][C];
 for (int m = 0; m < MW; ++m) {
   for (int c = 0; c < C; ++c) {
@@ -30,7 +53,15 @@ for (int col = NPT * lane; col < K; col += 32 * NPT) {
   }
   for (int m = 0; m < MW && m0 + m < M; ++m) {
     for (int i = 0; i < NPT; ++i) {
-      const float xv = static_cast<float>(x[(m0 + m) * K + col + i]);
+      float xv = static_cast<float>(x[(m0 + m) * XK + col + i]);
+      if (GATE) {
+        const float sg = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-xv))));
+        const float up = static_cast<float>(x[(m0 + m) * XK + K + col + i]);
+        xv = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(xv * sg)) * up));
+      }
+      if (NORM) {
+        xv = static_cast<float>(static_cast<T>(static_cast<float>(nw[col + i]) * static_cast<float>(static_cast<T>(xv * inv[m]))));
+      }
       for (int c = 0; c < C; ++c) {
         acc[m][c] += wv[c][i] * xv;
       }
@@ -43,7 +74,9 @@ for (int m = 0; m < MW; ++m) {
       acc[m][c] += __shfl_xor_sync(0xffffffff, acc[m][c], o);
     }
     if ((m * C + c) % 32 == lane && m0 + m < M && n0 + c < N) {
-      y[(m0 + m) * N + n0 + c] = static_cast<T>(acc[m][c]);
+      const int at = (m0 + m) * N + n0 + c;
+      const float out = static_cast<float>(static_cast<T>(acc[m][c]));
+      y[at] = static_cast<T>(RES ? static_cast<float>(r[at]) + out : out);
     }
   }
 }

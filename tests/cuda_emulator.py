@@ -34,6 +34,7 @@ PRELUDE = r"""
 #include <cstdlib>
 #include <thread>
 #include <vector>
+static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 struct Dim { int x, y, z; };
 thread_local int tl_thread, tl_block;
 static int g_threads, g_blocks_x;

@@ -42,7 +42,9 @@ SPELLINGS = {
     "row_matmul": [
         ("threadIdx.x", "thread_position_in_threadgroup.x"),
         ("blockIdx.x", "threadgroup_position_in_grid.x"),
+        ("__shfl_xor_sync(0xffffffff, ss, o)", "simd_shuffle_xor(ss, static_cast<ushort>(o))"),
         ("__shfl_xor_sync(0xffffffff, acc[m][c], o)", "simd_shuffle_xor(acc[m][c], static_cast<ushort>(o))"),
+        ("rsqrtf(", "metal::rsqrt("),
     ],
     "tree_attention": [
         ("blockIdx.x", "threadgroup_position_in_grid.x"),

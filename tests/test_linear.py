@@ -46,7 +46,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
         threads = launch["threadgroup"][0]
         (got,) = cuda_emulator.run(
             body,
-            inputs=[("x", x, None), ("w", w, None)],
+            inputs=[(name, np.array(a), None) for name, a in zip(("x", "w", "nw", "eps", "r"), launch["inputs"])],
             outputs=[("y", (M, N))],
             template=[(k, "float" if k == "T" else v) for k, v in launch["template"]],
             blocks=launch["grid"][0] // threads,
@@ -68,11 +68,59 @@ def test_kernel_path_matches_nn_linear(monkeypatch, bias):
     np.testing.assert_allclose(np.array(got), np.array(ref(x)), atol=1e-5, rtol=1e-5)
 
 
+def _fused_case(M: int, K: int, N: int, gated: bool, seed: int = 2):
+    """A projection's input (M, K, or 2K gated), layer, RMSNorm and residual, and its float64
+    numpy reference for each of project's options."""
+    rng = np.random.default_rng(seed)
+    layer, norm = linear.Linear(K, N, bias=False), nn.RMSNorm(K, eps=1e-5)
+    layer.weight = mx.array(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
+    norm.weight = mx.array(rng.uniform(0.5, 1.5, K).astype(np.float32))
+    x = mx.array(rng.standard_normal((M, 2 * K if gated else K)).astype(np.float32))
+    residual = mx.array(rng.standard_normal((M, N)).astype(np.float32))
+
+    def reference(use_norm: bool, use_residual: bool) -> np.ndarray:
+        a, w = np.array(x, np.float64), np.array(layer.weight, np.float64)
+        if gated:
+            gate, up = a[:, :K], a[:, K:]
+            a = gate / (1 + np.exp(-gate)) * up
+        if use_norm:
+            a = a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-5) * np.array(norm.weight, np.float64)
+        y = a @ w.T
+        return y + np.array(residual, np.float64) if use_residual else y
+
+    return x, layer, norm, residual, reference
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
+@pytest.mark.parametrize("gated,use_norm,use_residual", [(False, True, False), (False, False, True), (False, True, True), (True, False, True)])
+def test_fused_ops_in_the_cuda_body_match_numpy(monkeypatch, gated, use_norm, use_residual):
+    """`project` on the row kernel's CUDA body (emulated, float32): the RMSNorm before the
+    product, SwiGLU before it and the residual after it, in one launch, against float64 numpy."""
+    monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
+    monkeypatch.setattr(linear, "load_kernel", cuda_emulator.load_kernel)
+    calls = []
+    row_matmul = linear.row_matmul
+    monkeypatch.setattr(linear, "row_matmul", lambda *a, **k: calls.append(k) or row_matmul(*a, **k))
+    for M, K, N in [(5, 192, 40), (17, 96, 33)]:
+        x, layer, norm, residual, reference = _fused_case(M, K, N, gated)
+        got = linear.fused_project(layer, x, norm if use_norm else None, gated, residual if use_residual else None)
+        np.testing.assert_allclose(np.array(got), reference(use_norm, use_residual), atol=1e-4, rtol=1e-4, err_msg=f"{M}x{K} @ {N}x{K}")
+    assert len(calls) == 2  # one launch each, the ops inside it
+
+
+def test_project_without_the_kernel_is_the_ops_one_by_one():
+    """On the CPU (no kernel) `project` is MLX's RMSNorm, SwiGLU, product and add, in turn."""
+    for gated in (False, True):
+        x, layer, norm, residual, reference = _fused_case(6, 64, 24, gated)
+        got = linear.fused_project(layer, x, None if gated else norm, gated, residual)
+        np.testing.assert_allclose(np.array(got), reference(not gated, True), atol=1e-4, rtol=1e-4)
+
+
 def test_kernel_path_only_for_a_few_rows(monkeypatch):
     """One row, or more than ROWS, is nn.Linear's own matmul."""
     calls = []
     monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
-    monkeypatch.setattr(linear, "row_matmul", lambda x, w, backend: calls.append(x.shape) or x @ w.T)
+    monkeypatch.setattr(linear, "row_matmul", lambda x, w, backend, **_: calls.append(x.shape) or x @ w.T)
     _, rows = _layers(False)
     rows(mx.zeros((1, linear.ROWS, 96)))
     assert calls == [(linear.ROWS, 96)]
@@ -110,3 +158,25 @@ def test_cuda_rows_equal_single_row_products(dtype):
             singles = mx.concatenate([rows(x[:, t : t + 1]) for t in range(n)], axis=1)
             assert mx.array_equal(got, singles).item(), f"{dtype}, {dims}, {n} rows"
             np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref(x).astype(mx.float32)), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(kernel_backend() != "cuda", reason="the row kernel path runs on MLX's CUDA backend only")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cuda_fused_ops_match_mlx_ops(dtype):
+    """At SmolLM2-135M's shapes, `project` in one launch against MLX's own RMSNorm, SwiGLU and
+    add around the row kernel: the residual bit for bit (rounded as MLX's add rounds), the norm
+    and SwiGLU to a step of dtype (the norm's sum of squares is formed in another order)."""
+    for (K, N), gated, use_norm, use_residual in [((576, 960), False, True, False), ((576, 576), False, False, True),
+                                                 ((1536, 576), True, False, True), ((576, 3072), False, True, False)]:
+        x, layer, norm, residual, _ = _fused_case(25, K, N, gated)
+        layer.set_dtype(dtype)
+        norm.set_dtype(dtype)
+        x, residual = x.astype(dtype), residual.astype(dtype)
+        got = linear.fused_project(layer, x, norm if use_norm else None, gated, residual if use_residual else None)
+        a = norm(x) if use_norm else linear.swiglu(*mx.split(x, 2, axis=-1)) if gated else x
+        want = layer(a) + residual if use_residual else layer(a)
+        label = f"{dtype} {K}->{N} gated={gated} norm={use_norm} residual={use_residual}"
+        if not (use_norm or gated):
+            assert mx.array_equal(got, want).item(), label
+        tol = 1e-5 if dtype == mx.float32 else 4e-2
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=tol, rtol=tol, err_msg=label)

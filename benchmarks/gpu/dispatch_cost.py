@@ -21,8 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.kernels import kernel_backend
-from mlx_hybrid.models.linear import row_matmul
-from mlx_hybrid.models.llama import swiglu
+from mlx_hybrid.models.linear import row_matmul, swiglu
 from mlx_hybrid.rope import rope_frequencies
 from mlx_hybrid.tree_attention import tree_attention
 

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
-from mlx_hybrid.models.linear import Linear
+from mlx_hybrid.models.linear import Linear, fused_project
 from mlx_hybrid.scan import selective_scan, ssm_step
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
@@ -238,17 +238,19 @@ class Mamba(nn.Module):
         self.D = mx.ones((self.d_inner,))
         self.out_proj = Linear(self.d_inner, args.hidden_size, bias=False)
 
-    def kernel_step(self, u, window, state, parents, backend: str):
+    def kernel_step(self, u, window, state, parents, backend: str, norm=None, residual=None):
         """The mixer on `ssm_step`: output, window and state after one token u, or with parents
-        after each node of the tree u (([batch,] tokens, hidden): see `_batched`)."""
-        proj = self.in_proj(u)
+        after each node of the tree u (([batch,] tokens, hidden): see `_batched`); u normalized
+        by `norm` first and the output added to `residual`, if given (in the projections'
+        launches: `linear.fused_project`)."""
+        proj = fused_project(self.in_proj, u, norm)
         dt = self.dt_proj(proj[..., -self.dt_rank :])  # the bias is added again in the kernel
         d_xb, d_inner = self.d_xb, self.d_inner
         y, window, state = ssm_step(
             _batched(proj), _batched(dt), *self.conv1d.step_args(window, u), self.dt_proj.bias, self.A_log, self.D, state,
             parents, mamba2=False, d_xb=d_xb, offsets=(0, d_xb, d_xb + d_inner, 2 * d_xb + d_inner), backend=backend,
         )
-        return self.out_proj(y.reshape(*u.shape[:-1], -1)), window, state
+        return fused_project(self.out_proj, y.reshape(*u.shape[:-1], -1), residual=residual), window, state
 
     def project(self, u: mx.array):
         """x, z, B, C, dt (pre-softplus) for input u, KV groups expanded (see the class docstring)."""
@@ -293,16 +295,17 @@ class Mamba2(nn.Module):
         self.norm = nn.RMSNorm(self.d_inner)  # weight only: normalized per head below
         self.out_proj = Linear(self.d_inner, args.hidden_size, bias=False)
 
-    def kernel_step(self, u, window, state, parents, backend: str):
+    def kernel_step(self, u, window, state, parents, backend: str, norm=None, residual=None):
         """The mixer on `ssm_step`: output, window and state after one token u, or with parents
-        after each node of the tree u (([batch,] tokens, hidden): see `_batched`)."""
-        proj = _batched(self.in_proj(u))
+        after each node of the tree u (([batch,] tokens, hidden): see `_batched`); norm and
+        residual as `Mamba.kernel_step`'s."""
+        proj = _batched(fused_project(self.in_proj, u, norm))
         y, window, state = ssm_step(
             proj, proj[..., -self.nheads :], *self.conv1d.step_args(window, u), self.dt_bias, self.A_log, self.D,
             state, parents, mamba2=True, d_xb=self.d_xb, offsets=(self.d_inner, 0, 0, 0), backend=backend,
         )
         y = _head_rms_norm(y, self.norm.weight, self.d_state, self.eps)
-        return self.out_proj(y.reshape(*u.shape[:-1], -1)), window, state
+        return fused_project(self.out_proj, y.reshape(*u.shape[:-1], -1), residual=residual), window, state
 
     def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
         """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
@@ -469,9 +472,8 @@ class HybridLayer(nn.Module):
         and returns them after every node."""
         if self.kind == "attention":
             return llama.DecoderLayer.placed_tree(self, h, a, b, at)
-        y, window, state = self.mixer.kernel_step(self.input_layernorm(h), a, b, at.parents, kernel_backend())
-        h = h + y
-        return h + self.mlp(self.post_attention_layernorm(h)), (window, state)
+        h, window, state = self.mixer.kernel_step(h, a, b, at.parents, kernel_backend(), self.input_layernorm, h)
+        return self.mlp.nodes(h, self.post_attention_layernorm), (window, state)
 
 
 class Model(llama.Model):

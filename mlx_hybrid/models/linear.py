@@ -9,8 +9,11 @@ kernel avoids cuBLASLt but re-reads the weight once a row: 1.6 ms of the 3.6 ms 
 25 nodes kept the H100 busy (benchmarks/README.md). `row_matmul` (metal_kernels/row_matmul.cu)
 reads it once for all the rows, and forms each row's sums in the order MLX's matrix-vector kernel
 forms a decode step's, so a node's projection is the decode step's bit for bit (bias apart).
-On Metal MLX's own matmul has no such host cost and is kept.
+The same launch can also take the RMSNorm or SwiGLU before a projection and the residual add
+after it (`fused_project`). On Metal MLX's own matmul has no such host cost and is kept.
 """
+
+import functools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,15 +32,30 @@ def row_matmul_ref(x: mx.array, w: mx.array) -> mx.array:
     return x @ w.T
 
 
-def row_matmul(x: mx.array, w: mx.array, *, backend: str) -> mx.array:
-    """`row_matmul_ref` on the 'metal' or 'cuda' kernel, for M <= ROWS rows."""
-    M, K = x.shape
-    N = w.shape[0]
+@mx.compile
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@functools.cache
+def _eps(eps: float) -> mx.array:
+    return mx.array([eps], mx.float32)
+
+
+def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | None = None, gated: bool = False,
+               residual: mx.array | None = None) -> mx.array:
+    """`row_matmul_ref` on the 'metal' or 'cuda' kernel, for M <= ROWS rows, with what surrounds
+    a projection in a decoder layer inside the same launch: `norm` (an RMSNorm) of x's rows
+    before it; gated, SwiGLU before it, x (M, 2K) holding the gate's columns then the up's; the
+    residual (M, N) added after it."""
+    M = x.shape[0]
+    N, K = w.shape
     npt = 4 if K % 128 == 0 else 2 if K % 64 == 0 else 1  # as MLX's matrix-vector kernel loads
-    template = [("T", x.dtype), ("M", M), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS))]
-    kernel = load_kernel(backend, "row_matmul", ("x", "w"), ("y",))
+    flags = [("NORM", norm is not None), ("GATE", gated), ("RES", residual is not None)]
+    template = [("T", x.dtype), ("M", M), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS)), *flags]
+    kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "eps", "r"), ("y",))
     return kernel(
-        inputs=[x, w],
+        inputs=[x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual],
         template=template,
         grid=(-(-N // COLUMNS) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -46,13 +64,33 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str) -> mx.array:
     )[0]
 
 
-def row_product(x: mx.array, w: mx.array) -> mx.array | None:
+def row_product(x: mx.array, w: mx.array, norm: nn.RMSNorm | None = None, gated: bool = False,
+                residual: mx.array | None = None) -> mx.array | None:
     """x (..., K) @ w (N, K)^T on the row kernel where it takes x: 2..ROWS rows in w's dtype, on
-    CUDA; else None."""
+    CUDA; else None. norm, gated, residual (..., N): as `row_matmul`."""
     rows = x.size // x.shape[-1]
     if rows == 1 or rows > ROWS or kernel_backend() != "cuda" or x.dtype != w.dtype:
         return None
-    return row_matmul(x.reshape(rows, -1), w, backend="cuda").reshape(*x.shape[:-1], -1)
+    residual = None if residual is None else residual.reshape(rows, -1)
+    return row_matmul(x.reshape(rows, -1), w, backend="cuda", norm=norm, gated=gated, residual=residual).reshape(*x.shape[:-1], -1)
+
+
+def fused_project(layer: nn.Module, x: mx.array, norm: nn.RMSNorm | None = None, gated: bool = False,
+                  residual: mx.array | None = None) -> mx.array:
+    """residual + layer(f(x)), f the RMSNorm `norm` or (gated) SwiGLU of x's two halves: for a
+    verification pass's nodes one launch of the row kernel (`row_matmul`), where it takes them;
+    otherwise MLX's ops one by one. A pass of a small model is bound by the host's time a
+    launch, and this takes a decoder layer from ten launches to five."""
+    if type(layer) is Linear and "bias" not in layer:
+        y = row_product(x, layer.weight, norm=norm, gated=gated, residual=residual)
+        if y is not None:
+            return y
+    if norm is not None:
+        x = norm(x)
+    if gated:
+        x = swiglu(*mx.split(x, 2, axis=-1))
+    y = layer(x)
+    return y if residual is None else residual + y
 
 
 class Linear(nn.Linear):

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache, tree_mask_over
-from mlx_hybrid.models.linear import Linear, row_product
+from mlx_hybrid.models.linear import Linear, fused_project, row_product, swiglu
 from mlx_hybrid.rope import apply_rope, apply_rope_at, rope_frequencies
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention, tree_kernel
@@ -56,11 +56,6 @@ class ModelArgs:
             self.sliding_window = None  # Llama configs may carry the key unused
 
 
-@mx.compile
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.silu(gate) * up
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -100,17 +95,20 @@ class Attention(nn.Module):
         cache.hold(row, k, v)
         return out[None]
 
-    def tree_qkv(self, x: mx.array) -> tuple[mx.array, mx.array]:
+    def tree_qkv(self, x: mx.array, norm: nn.RMSNorm | None = None) -> tuple[mx.array, mx.array]:
         """Queries and keys (1, heads + kv_heads, nodes, head_dim) before RoPE, and values (1,
-        kv_heads, nodes, head_dim), of tree nodes x ([1,] nodes, hidden): views of the projection."""
-        qk, v = mx.split(self.qkv_proj(x).reshape(x.shape[-2], -1, 1, self.head_dim), [self.n_heads + self.n_kv_heads], axis=1)
+        kv_heads, nodes, head_dim), of tree nodes x ([1,] nodes, hidden), normalized first by
+        `norm` if given (in the projection's launch: `linear.fused_project`): views of the projection."""
+        qkv = fused_project(self.qkv_proj, x, norm)
+        qk, v = mx.split(qkv.reshape(x.shape[-2], -1, 1, self.head_dim), [self.n_heads + self.n_kv_heads], axis=1)
         return qk.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3)
 
-    def tree_attend(self, qk, v, keys, values, row, positions, parents, mask) -> tuple[mx.array, mx.array]:
-        """The nodes' attention output, projected (nodes, hidden), and their keys after RoPE (at
-        positions): over the cache buffers' rows before `row` and each node's own ancestors, by the
-        tree kernel (mask None), which turns the queries and keys itself, or by MLX's RoPE and
-        attention with `mask` over the buffer followed by the nodes."""
+    def tree_attend(self, qk, v, keys, values, row, positions, parents, mask, residual=None) -> tuple[mx.array, mx.array]:
+        """The nodes' attention output, projected (nodes, hidden) and added to `residual` if
+        given, and their keys after RoPE (at positions): over the cache buffers' rows before
+        `row` and each node's own ancestors, by the tree kernel (mask None), which turns the
+        queries and keys itself, or by MLX's RoPE and attention with `mask` over the buffer
+        followed by the nodes."""
         q, k = mx.split(qk, [self.n_heads], axis=1)
         if mask is None:
             out, k = tree_attention(q, keys, values, k, v, parents, row, self._scale, positions, self._freqs, backend=kernel_backend())
@@ -119,7 +117,7 @@ class Attention(nn.Module):
             q, k = mx.split(apply_rope_at(qk.transpose(2, 1, 0, 3), self._freqs, positions).transpose(2, 1, 0, 3), [self.n_heads], axis=1)
             keys, values = mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
-        return self.o_proj(out.reshape(q.shape[2], -1)), k
+        return fused_project(self.o_proj, out.reshape(q.shape[2], -1), residual=residual), k
 
 
 class MLP(nn.Module):
@@ -131,6 +129,11 @@ class MLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         return self.down_proj(swiglu(gate, up))
+
+    def nodes(self, h: mx.array, norm: nn.RMSNorm) -> mx.array:
+        """h + self(norm(h)) for a verification pass's nodes h (nodes, hidden): on the row kernel
+        two launches, the norm in the first and SwiGLU and the residual in the second."""
+        return fused_project(self.down_proj, fused_project(self.gate_up_proj, h, norm), gated=True, residual=h)
 
 
 class DecoderLayer(nn.Module):
@@ -153,10 +156,9 @@ class DecoderLayer(nn.Module):
         """This layer over tree nodes h inside the compiled pass (`Model._placed_tree_arrays`),
         with the cache's buffers; returns h and the nodes' keys and values (for `KVCache.hold`)."""
         attn = self.self_attn
-        qk, v = attn.tree_qkv(self.input_layernorm(h))
-        out, k = attn.tree_attend(qk, v, keys, values, at.pos, at.positions, at.parents, at.mask(qk, keys))
-        h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
+        qk, v = attn.tree_qkv(h, self.input_layernorm)
+        h, k = attn.tree_attend(qk, v, keys, values, at.pos, at.positions, at.parents, at.mask(qk, keys), residual=h)
+        return self.mlp.nodes(h, self.post_attention_layernorm), (k, v)
 
 
 @dataclass
