@@ -70,7 +70,7 @@ def test_kernel_path_matches_nn_linear(monkeypatch, bias):
 
 def _fused_case(M: int, K: int, N: int, gated: bool, seed: int = 2):
     """A projection's input (M, K, or 2K gated), layer, RMSNorm and residual, and its float64
-    numpy reference for each of project's options."""
+    numpy reference for each of `fused_project`'s options."""
     rng = np.random.default_rng(seed)
     layer, norm = linear.Linear(K, N, bias=False), nn.RMSNorm(K, eps=1e-5)
     layer.weight = mx.array(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
@@ -94,7 +94,7 @@ def _fused_case(M: int, K: int, N: int, gated: bool, seed: int = 2):
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
 @pytest.mark.parametrize("gated,use_norm,use_residual", [(False, True, False), (False, False, True), (False, True, True), (True, False, True)])
 def test_fused_ops_in_the_cuda_body_match_numpy(monkeypatch, gated, use_norm, use_residual):
-    """`project` on the row kernel's CUDA body (emulated, float32): the RMSNorm before the
+    """`fused_project` on the row kernel's CUDA body (emulated, float32): the RMSNorm before the
     product, SwiGLU before it and the residual after it, in one launch, against float64 numpy."""
     monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
     monkeypatch.setattr(linear, "load_kernel", cuda_emulator.load_kernel)
@@ -108,8 +108,8 @@ def test_fused_ops_in_the_cuda_body_match_numpy(monkeypatch, gated, use_norm, us
     assert len(calls) == 2  # one launch each, the ops inside it
 
 
-def test_project_without_the_kernel_is_the_ops_one_by_one():
-    """On the CPU (no kernel) `project` is MLX's RMSNorm, SwiGLU, product and add, in turn."""
+def test_fused_project_without_the_kernel_is_the_ops_one_by_one():
+    """On the CPU (no kernel) `fused_project` is MLX's RMSNorm, SwiGLU, product and add, in turn."""
     for gated in (False, True):
         x, layer, norm, residual, reference = _fused_case(6, 64, 24, gated)
         got = linear.fused_project(layer, x, None if gated else norm, gated, residual)
@@ -163,7 +163,7 @@ def test_cuda_rows_equal_single_row_products(dtype):
 @pytest.mark.skipif(kernel_backend() != "cuda", reason="the row kernel path runs on MLX's CUDA backend only")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_cuda_fused_ops_match_mlx_ops(dtype):
-    """At SmolLM2-135M's shapes, `project` in one launch against MLX's own RMSNorm, SwiGLU and
+    """At SmolLM2-135M's shapes, `fused_project` in one launch against MLX's own RMSNorm, SwiGLU and
     add around the row kernel: the residual bit for bit (rounded as MLX's add rounds), the norm
     and SwiGLU to a step of dtype (the norm's sum of squares is formed in another order)."""
     for (K, N), gated, use_norm, use_residual in [((576, 960), False, True, False), ((576, 576), False, False, True),
