@@ -116,6 +116,13 @@ def output_config(checkpoint: Checkpoint, dtype: str | None, quant: dict | None)
             config[key] = dtype
     if quant:
         config["quantization"] = config["quantization_config"] = quant  # mlx-lm writes both
+    # transformers 5 writes only "rope_parameters"; mlx-lm reads the older top-level keys and would
+    # otherwise run the model with its default theta (10000; SmolLM2's is 100000).
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope.pop("rope_theta"))
+        if rope.get("rope_type", "default") != "default":
+            config.setdefault("rope_scaling", rope)
     return config
 
 

@@ -514,6 +514,24 @@ def test_embed_bits_quantizes_embeddings_and_lm_head_apart_and_loads_in_mlx_lm(t
     assert mx.allclose(ours(x), theirs(x), atol=1e-4).item()
 
 
+@pytest.mark.parametrize("rope", [dict(rope_theta=100000.0), dict(rope_theta=500000.0, rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))])
+def test_mlx_lm_reads_the_rope_of_a_transformers_5_checkpoint(tmp_path, rope):
+    """transformers 5 writes theta (and scaling) only under rope_parameters, which mlx-lm does not read:
+    the converted config also names them at the top level, so mlx-lm computes the model ours does
+    (logits within 1e-4 on 40 positions; mlx-lm at its default theta differs by far more)."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    src = make_hf_model_dir(tmp_path / "src", seed=4, random_vectors=True, **rope)
+    assert "rope_theta" not in json.loads((src / "config.json").read_text())
+    dst = convert(src, tmp_path / "out", dtype="float32")
+    assert json.loads((dst / "config.json").read_text())["rope_theta"] == rope["rope_theta"]
+    ours, _ = load(dst)
+    theirs, _ = mlx_lm_load(str(dst))
+    x = mx.array([[(7 * i + 3) % 300 for i in range(40)]])
+    assert mx.allclose(ours(x), theirs(x), atol=1e-4).item()
+
+
 def test_embed_bits_needs_uniform_quantization(tmp_path):
     src = make_hf_model_dir(tmp_path / "src")
     with pytest.raises(HybridError, match="--embed-bits needs -q"):
