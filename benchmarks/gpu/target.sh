@@ -1,4 +1,4 @@
-# Wait for the heads, convert the Llama target to /tmp/mt (bfloat16) with its heads, calibrate
+# Wait for the heads, convert the Llama target to /tmp/mt (bfloat16) with its heads and draft model, calibrate
 # Medusa's tree, then run the speculative benchmark (its README section, JSON and plot to $OUT).
 # Usage: target.sh [SECONDS to wait for the heads] [more benchmarks/speculative.py arguments]
 # MT_DTYPE=float32 converts the target in float32 instead (bfloat16 near-ties: benchmarks/README.md).
@@ -11,6 +11,9 @@ if [ ! -d /tmp/mt ]; then
   for heads in medusa1/medusa redrafter/redrafter; do  # the head sets the run's stages trained
     [ -d /tmp/heads/$heads ] && cp -r /tmp/heads/$heads /tmp/mt/
   done
+  if [ -d /tmp/heads/draft/draft ]; then  # the draft model, in the target's dtype, for ours and mlx-lm's
+    (cd /tmp && python3 -m mlx_hybrid.cli.main convert /tmp/heads/draft/draft /tmp/mt/draft --dtype ${MT_DTYPE:-bfloat16}) || exit 1
+  fi
   [ -d /tmp/mt/medusa ] && { python3 benchmarks/gpu/calibrate.py || exit 1; }
 fi
 python3 benchmarks/speculative.py --model /tmp/mt --label 'NVIDIA H100, MLX CUDA backend' --beam 4x5 "$@"

@@ -5,30 +5,34 @@ medusa2    Medusa-2: heads and backbone together, heads first (warm-up), differe
            rates, KL to a frozen copy of the original model instead of the LM loss (self-distillation)
 redrafter  ReDrafter: a recurrent drafter distilled from the base's distributions along its own
            greedy continuations (T drafted steps per position)
+draft      a draft model for draft-model speculation: a few of the base's layers (a Llama still, so
+           mlx-lm's speculative decoding loads it too), distilled from the base along the same data
 
 Data: `pseudo-labels` of the base itself (Medusa's self-distillation; greedy for ReDrafter, so every
 position's T-token greedy continuation is the sequence itself). With `eval_data` (held-out greedy
 pseudo-labels) each stage writes the top-1 accuracy of every head / drafted step to out/report.json.
 Exports in mlx_hybrid/speculative/FORMAT.md's layout: out/medusa/, out/redrafter/, and for Medusa-2
 the changed backbone with its heads, out/model/ + out/model/medusa/ (a Llama/Mistral base stays one:
-Hugging Face's format, `model.save_model`).
+Hugging Face's format, `model.save_model`); the draft model in Hugging Face's format, out/draft/.
 """
 
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from hybrid_train import data
 from hybrid_train.errors import TrainError
 from hybrid_train.heads import (Drafter, MedusaHeads, MedusaLM, ahead_mask, examples_from, hidden_states, load_base,
                                 save_heads, top1_accuracy)
-from hybrid_train.losses import distill_loss, drafter_kd_loss, medusa_loss
+from hybrid_train.losses import IGNORE, distill_loss, drafter_kd_loss, medusa_loss
 from hybrid_train.model import save_model
-from hybrid_train.teacher import load_tokenizer
+from hybrid_train.shrink import keep_layers
+from hybrid_train.teacher import load_teacher, load_tokenizer
 from hybrid_train.train import Dist, TrainConfig, train
 
 
@@ -63,6 +67,18 @@ class ReDrafterConfig(TrainConfig):
     rnn: bool = True
     beam_width: int = 4  # the runtime's default beam, written to config.json
     lr: float = 1e-3
+
+
+@dataclass
+class DraftConfig(TrainConfig):
+    base: str = ""  # a Llama/Mistral (HF directory or .gguf)
+    data: str = ""  # greedy pseudo-labels of the base (.jsonl)
+    eval_data: str | None = None
+    layers: list = field(default_factory=lambda: [0, 6, 12, 18, 24, 29])  # the base's layers the draft keeps
+    alpha: float = 0.0  # weight of the NLL of the base's greedy tokens
+    beta: float = 1.0  # weight of KL(base || draft), the acceptance-relevant distance under sampling
+    num_draft: int = 4  # K, drafted tokens a step: the report's accepted-run cap
+    lr: float = 3e-4
 
 
 def _check(cfg):
@@ -190,8 +206,62 @@ def redrafter(cfg: ReDrafterConfig, resume: bool = False):
     env.barrier()
 
 
+@torch.no_grad()
+def draft_accuracy(model, examples: list, device, num_draft: int, batch_size: int = 8) -> dict:
+    """On the base's greedy continuations: how often the draft's top-1 is the base's next token, and
+    the mean run of agreeing tokens from each position, capped at num_draft. Greedy draft-model
+    speculation from that position accepts exactly that run (the draft, fed the accepted prefix,
+    is teacher-forced here), so 1 + accepted estimates tokens a target pass."""
+    hits = runs = count = 0
+    for i in range(0, len(examples), batch_size):
+        batch = {k: v.to(device) for k, v in data.collate(examples[i : i + batch_size]).items()}
+        labels = batch["labels"]
+        right = (model(input_ids=batch["input_ids"], use_cache=False).logits.argmax(-1) == labels) & (labels != IGNORE)
+        mask = labels != IGNORE
+        run = torch.zeros(labels.shape[0], labels.shape[1] + 1, dtype=torch.long, device=device)  # agreeing tokens from t on
+        for t in range(labels.shape[1] - 1, -1, -1):
+            run[:, t] = torch.where(right[:, t], (run[:, t + 1] + 1).clamp(max=num_draft), 0)
+        run = run[:, :-1]
+        hits += int(right.sum())
+        runs += int(run[mask].sum())
+        count += int(mask.sum())
+    return {"top1": hits / max(count, 1), "accepted": runs / max(count, 1), "num_draft": num_draft, "positions": count,
+            "examples": len(examples)}
+
+
+def draft(cfg: DraftConfig, resume: bool = False):
+    """A draft model: the base's layers `layers`, distilled from the frozen base."""
+    _check(cfg)
+    env = Dist()
+    base = load_teacher(cfg.base, _dtype(env), env.device)
+    examples = examples_from(cfg.data, cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = keep_layers(load_teacher(cfg.base).requires_grad_(True), cfg.layers).to(env.device)
+
+    def loss_fn(model, batch):
+        with torch.no_grad():
+            target = base(input_ids=batch["input_ids"], use_cache=False).logits
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+        return distill_loss(logits, target, batch["labels"], cfg.alpha, cfg.beta)
+
+    began = time.time()
+    model = train(cfg, model, examples, loss_fn, resume, env, label=f"draft ({len(cfg.layers)} layers)")
+    if env.main:
+        save_model(model, Path(cfg.out) / "draft", load_tokenizer(cfg.base))
+        report = {"method": "draft", "base": cfg.base, "train_examples": len(examples),
+                  "train_seconds": round(time.time() - began, 1), "config": asdict(cfg)}
+        if cfg.eval_data:
+            with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
+                report["heldout"] = draft_accuracy(model, examples_from(cfg.eval_data, cfg.seq_len), env.device, cfg.num_draft)
+        tmp = Path(cfg.out) / "report.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, Path(cfg.out) / "report.json")
+    env.barrier()
+
+
 HEAD_STAGES = {
     "medusa": (medusa, MedusaConfig),
     "medusa2": (medusa2, Medusa2Config),
     "redrafter": (redrafter, ReDrafterConfig),
+    "draft": (draft, DraftConfig),
 }

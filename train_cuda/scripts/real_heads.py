@@ -13,7 +13,9 @@ and most answers, and measure accuracy on the held-out continuations and the las
 from a config in OUT/configs/ (settings: configs/real_heads.yaml; --tiny shrinks them for a CPU
 test). A finished stage is skipped, so a killed run restarted with --resume goes on where it
 stopped. Results: OUT/report.json; heads in OUT/medusa1/medusa/ and OUT/redrafter/redrafter/
-(copy them into BASE's model directory as medusa/ and redrafter/, or pass their paths). With
+(copy them into BASE's model directory as medusa/ and redrafter/, or pass their paths), and with
+`draft` among the stages a draft model (a few of BASE's layers, distilled) in OUT/draft/draft/
+(`hybrid convert` it to BASE's converted directory's draft/). With
 `medusa2` among the settings' `stages`, Medusa-2 then trains the base with Medusa-1's heads:
 OUT/medusa2/model/ is the changed base, its heads in OUT/medusa2/model/medusa/.
 """
@@ -41,6 +43,7 @@ TINY = {  # sizes for the CPU test of this script
     "medusa1": {"num_heads": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "medusa2": {"num_heads": 3, "steps": 2, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "redrafter": {"draft_steps": 3, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+    "draft": {"layers": [0, 3], "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
 }
 
 

@@ -1,4 +1,5 @@
-"""Medusa-1, Medusa-2 and ReDrafter stages on a tiny random teacher (and a hybrid made from it).
+"""Medusa-1, Medusa-2, ReDrafter and draft-model stages on a tiny random teacher (and a hybrid made
+from it).
 
 - each loss against a value worked out by hand;
 - each stage from its config lowers its loss on a fixed batch (batch_size = the 6 examples) and
@@ -27,7 +28,9 @@ from conftest import SENTENCES, write_config
 from safetensors.torch import load_file
 
 from hybrid_train.__main__ import main
-from hybrid_train.heads import Drafter, MedusaHeads, hidden_states, load_base, save_heads, top1_accuracy
+from hybrid_train.data import example
+from hybrid_train.head_stages import draft_accuracy
+from hybrid_train.heads import Drafter, MedusaHeads, examples_from, hidden_states, load_base, save_heads, top1_accuracy
 from hybrid_train.losses import drafter_kd_loss, medusa_loss
 from hybrid_train.model import HybridArgs, convert_layers, save_hybrid
 from hybrid_train.teacher import load_teacher, load_tokenizer
@@ -126,6 +129,25 @@ def test_stage_lowers_its_loss_and_reports_accuracy(tmp_path, teacher_dir, greed
         assert report["base_top1"] == 1.0  # the data are the base's greedy continuations
 
 
+def test_draft_accuracy_by_hand():
+    # One response of 6 tokens after a 1-token prompt; the draft is right at response positions
+    # 0, 1, 3, 4, 5. With K = 2 the runs of agreeing tokens from each position, capped at 2, are
+    # 2, 1, 0, 2, 2, 1: accepted 8/6, top-1 5/6.
+    response = [1, 2, 3, 4, 5, 6]
+    guesses = [1, 2, 0, 4, 5, 6]
+
+    class Fixed:
+        def __call__(self, input_ids, use_cache):
+            logits = torch.zeros(1, input_ids.shape[1], 8)
+            for t, g in enumerate(guesses):
+                logits[0, t, g] = 1.0
+            logits[0, 6, 7] = 1.0  # the position after the response has no label
+            return type("Out", (), {"logits": logits})
+
+    got = draft_accuracy(Fixed(), [example([9], response, 64)], "cpu", num_draft=2)
+    assert got["top1"] == pytest.approx(5 / 6) and got["accepted"] == pytest.approx(8 / 6) and got["positions"] == 6
+
+
 def test_medusa2_starts_from_medusa1_heads(tmp_path, teacher_dir, greedy):
     common = dict(base=str(teacher_dir), data=str(greedy), steps=4, num_heads=2, **FAST)
     assert run("medusa", write_config(tmp_path / "a.json", out=str(tmp_path / "m1"), **common)) == 0
@@ -164,6 +186,9 @@ def test_bad_head_configs_fail_with_one_line(tmp_path, teacher_dir, greedy, caps
     assert run("redrafter", write_config(tmp_path / "b.json", base=str(teacher_dir), data=str(greedy), out="x", steps=1,
                                          draft_steps=0)) == 1
     assert "draft_steps must be at least 1" in capsys.readouterr().err
+    assert run("draft", write_config(tmp_path / "c.json", base=str(teacher_dir), data=str(greedy), out="x", steps=1,
+                                     layers=[0, 7])) == 1
+    assert capsys.readouterr().err.strip() == "error: layers must be increasing layer indices in [0, 4), got [0, 7]"
 
 
 # --- the MLX runtime reads the exports -------------------------------------------------------------
@@ -199,8 +224,6 @@ def test_medusa_export_in_the_mlx_runtime(tmp_path, teacher_dir, greedy):
     acc = head_accuracies(loaded, greedy_runs(target, prompts, 12), topk=1)[:, 0]
     conts = [[t for t, _ in generate_step(mx.array(p), target, target.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=12)]
              for p in prompts]
-    from hybrid_train.data import example
-
     ours = top1_accuracy(base, [example(p, c, 64) for p, c in zip(prompts, conts)], "cpu", medusa=heads)
     np.testing.assert_allclose(ours["top1"], acc, atol=1e-9)
     assert ours["base_top1"] == 1.0  # MLX's greedy continuation is torch's
@@ -237,6 +260,37 @@ def test_redrafter_export_in_the_mlx_runtime(tmp_path, teacher_dir, exit_dim, rn
         assert beam[0, 0, 1] == int(ours[0][t].argmax())
 
 
+def test_draft_stage(tmp_path, teacher_dir, greedy):
+    """The draft stage lowers its KL, exports a 2-layer Llama (its logits in the MLX runtime those of
+    torch within ATOL, and mlx-lm loads it), and the base itself, as a draft, agrees everywhere:
+    accepted is then the mean of min(K, tokens left in the continuation)."""
+    cfg = write_config(tmp_path / "c.json", base=str(teacher_dir), data=str(greedy), eval_data=str(greedy),
+                       out=str(tmp_path / "o"), steps=8, layers=[0, 2], num_draft=3, **FAST)
+    assert run("draft", cfg) == 0
+    kl = losses(tmp_path / "o", "kl")
+    assert len(kl) == 8 and kl[-1] < 0.8 * kl[0]
+    report = json.loads((tmp_path / "o" / "report.json").read_text())["heldout"]
+    assert 0 <= report["top1"] <= report["accepted"] <= 3 and report["examples"] == 6
+    exported = tmp_path / "o" / "draft"
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"]) == ("llama", 2)
+
+    from mlx_lm.utils import load_model as lm_load_model
+
+    from mlx_hybrid.loader import load_model
+
+    ids = load_tokenizer(teacher_dir)(SENTENCES[2]).input_ids
+    with torch.no_grad():
+        expected = load_teacher(exported)(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.array(load_model(exported, dtype="float32")(mx.array([ids]))[0]), expected, atol=ATOL, rtol=0)
+    assert lm_load_model(exported)[0].args.num_hidden_layers == 2
+
+    held = examples_from(greedy, 64)
+    whole = draft_accuracy(load_teacher(teacher_dir), held, "cpu", num_draft=3)
+    left = [n - i for _, labels in held for n in [sum(y != -100 for y in labels)] for i in range(n)]
+    assert whole["top1"] == 1.0 and whole["accepted"] == pytest.approx(np.minimum(left, 3).mean(), abs=1e-12)
+
+
 def test_heads_on_a_hybrid_base(tmp_path, teacher_dir, prompts):
     student = convert_layers(load_teacher(teacher_dir), ["attention", "mamba2", "attention", "mamba2"], HybridArgs(d_state=8))
     perturb(student, seed=1)
@@ -266,7 +320,7 @@ def test_real_heads_script(tmp_path, teacher_dir, article_corpus):
     corpus = article_corpus
     out = tmp_path / "out"
     settings = yaml.safe_load((ROOT / "configs" / "real_heads.yaml").read_text())
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(dict(settings, stages=["medusa1", "redrafter", "medusa2"])))
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(dict(settings, stages=["medusa1", "redrafter", "medusa2", "draft"])))
     cmd = [sys.executable, str(ROOT / "scripts" / "real_heads.py"), "--base", str(teacher_dir), "--corpus", str(corpus),
            "--out", str(out), "--tiny", "--settings", str(tmp_path / "s.yaml")]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -280,6 +334,7 @@ def test_real_heads_script(tmp_path, teacher_dir, article_corpus):
     assert asked > 2 and report["train_sequences"] == 8 + asked - 2 and report["heldout_sequences"] == 4 + 2
     assert len((out / "chat.jsonl").read_text().splitlines()) == asked - 2
     assert set(report["seconds"]) == {"pseudo-labels-prompts", "pseudo-labels-heldout", "questions", "pseudo-labels-chat",
-                                      "pseudo-labels-chat-heldout", "medusa1", "redrafter", "medusa2", "total"}
+                                      "pseudo-labels-chat-heldout", "medusa1", "redrafter", "medusa2", "draft", "total"}
     assert (out / "medusa1" / "medusa" / "config.json").is_file() and (out / "redrafter" / "redrafter" / "config.json").is_file()
     assert (out / "medusa2" / "model" / "medusa" / "config.json").is_file()
+    assert 0 <= report["draft"]["top1"] <= 1 and (out / "draft" / "draft" / "config.json").is_file()
