@@ -93,8 +93,9 @@ def _dtype(env: Dist):
     return torch.bfloat16 if env.device.type == "cuda" else torch.float32
 
 
-def _report(cfg, env: Dist, method: str, base, examples: int, began: float, **module):
-    """out/report.json: settings, seconds, and the held-out top-1 accuracy per head / drafted step."""
+def _report(cfg, env: Dist, method: str, examples: int, began: float, measure):
+    """out/report.json: settings, seconds, and `measure(held-out examples, device)` (the held-out top-1
+    accuracy per head / drafted step)."""
     if not env.main:
         return
     report = {"method": method, "base": cfg.base, "train_examples": examples, "train_seconds": round(time.time() - began, 1),
@@ -103,7 +104,7 @@ def _report(cfg, env: Dist, method: str, base, examples: int, began: float, **mo
         began = time.time()
         held = examples_from(cfg.eval_data, cfg.seq_len)
         with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
-            report["heldout"] = top1_accuracy(base, held, env.device, **module)
+            report["heldout"] = measure(held, env.device)
         report["eval_seconds"] = round(time.time() - began, 1)
     tmp = Path(cfg.out) / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=1) + "\n")
@@ -135,7 +136,7 @@ def medusa(cfg: MedusaConfig, resume: bool = False):
     heads = train(cfg, heads, examples, loss_fn, resume, env, label=f"medusa-1 ({cfg.num_heads} heads)")
     if env.main:
         save_heads(heads, heads.config(), Path(cfg.out) / "medusa")
-    _report(cfg, env, "medusa-1", base, len(examples), began, medusa=heads)
+    _report(cfg, env, "medusa-1", len(examples), began, lambda held, device: top1_accuracy(base, held, device, medusa=heads))
     env.barrier()
 
 
@@ -174,7 +175,8 @@ def medusa2(cfg: Medusa2Config, resume: bool = False):
     if env.main:
         save_model(model.base, Path(cfg.out) / "model", load_tokenizer(cfg.base))
         save_heads(model.heads, model.heads.config(), Path(cfg.out) / "model" / "medusa")
-    _report(cfg, env, "medusa-2", model.base, len(examples), began, medusa=model.heads)
+    _report(cfg, env, "medusa-2", len(examples), began,
+            lambda held, device: top1_accuracy(model.base, held, device, medusa=model.heads))
     env.barrier()
 
 
@@ -202,7 +204,8 @@ def redrafter(cfg: ReDrafterConfig, resume: bool = False):
     drafter = train(cfg, drafter, examples, loss_fn, resume, env, label=f"redrafter ({cfg.draft_steps} steps)")
     if env.main:
         save_heads(drafter, drafter.config(cfg.beam_width, cfg.draft_steps + 1), Path(cfg.out) / "redrafter")
-    _report(cfg, env, "redrafter", base, len(examples), began, drafter=drafter, steps=cfg.draft_steps)
+    _report(cfg, env, "redrafter", len(examples), began,
+            lambda held, device: top1_accuracy(base, held, device, drafter=drafter, steps=cfg.draft_steps))
     env.barrier()
 
 
@@ -248,14 +251,7 @@ def draft(cfg: DraftConfig, resume: bool = False):
     model = train(cfg, model, examples, loss_fn, resume, env, label=f"draft ({len(cfg.layers)} layers)")
     if env.main:
         save_model(model, Path(cfg.out) / "draft", load_tokenizer(cfg.base))
-        report = {"method": "draft", "base": cfg.base, "train_examples": len(examples),
-                  "train_seconds": round(time.time() - began, 1), "config": asdict(cfg)}
-        if cfg.eval_data:
-            with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=env.device.type == "cuda"):
-                report["heldout"] = draft_accuracy(model, examples_from(cfg.eval_data, cfg.seq_len), env.device, cfg.num_draft)
-        tmp = Path(cfg.out) / "report.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, Path(cfg.out) / "report.json")
+    _report(cfg, env, "draft", len(examples), began, lambda held, device: draft_accuracy(model, held, device, cfg.num_draft))
     env.barrier()
 
 
