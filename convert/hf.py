@@ -39,6 +39,7 @@ from mlx_hybrid.convert.checkpoint import (
 from mlx_hybrid.convert.heads import check, medusa_plan, output_name, redrafter_plan
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.loader import DTYPES
+from mlx_hybrid.models.llama import legacy_rope
 from mlx_hybrid.models.hybrid import FP32_PARAMS
 
 BITS = (4, 8)
@@ -116,14 +117,8 @@ def output_config(checkpoint: Checkpoint, dtype: str | None, quant: dict | None)
             config[key] = dtype
     if quant:
         config["quantization"] = config["quantization_config"] = quant  # mlx-lm writes both
-    # transformers 5 writes only "rope_parameters"; mlx-lm reads the older top-level keys and would
-    # otherwise run the model with its default theta (10000; SmolLM2's is 100000).
-    rope = dict(config.get("rope_parameters") or {})
-    if "rope_theta" in rope:
-        config.setdefault("rope_theta", rope.pop("rope_theta"))
-        if rope.get("rope_type", "default") != "default":
-            config.setdefault("rope_scaling", rope)
-    return config
+    # mlx-lm would run a transformers 5 config at its default theta (10000; SmolLM2's is 100000).
+    return legacy_rope(config) | config
 
 
 def _check_options(dtype, quantize, bits, group_size, recipe, embed_bits):

@@ -39,13 +39,7 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
-        config = dict(config)
-        # transformers >= 5 writes theta and scaling together under "rope_parameters".
-        rope = dict(config.pop("rope_parameters", None) or {})
-        if "rope_theta" in rope:
-            config.setdefault("rope_theta", rope.pop("rope_theta"))
-        if rope.get("rope_type", "default") != "default":
-            config.setdefault("rope_scaling", rope)
+        config = legacy_rope(config) | config
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names})
 
@@ -54,6 +48,16 @@ class ModelArgs:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.model_type != "mistral":
             self.sliding_window = None  # Llama configs may carry the key unused
+
+
+def legacy_rope(config: dict) -> dict:
+    """rope_theta and rope_scaling as transformers 4 wrote them, from transformers 5's
+    "rope_parameters" (theta and scaling together), which mlx-lm does not read."""
+    rope = dict(config.get("rope_parameters") or {})
+    legacy = {"rope_theta": rope.pop("rope_theta")} if "rope_theta" in rope else {}
+    if rope.get("rope_type", "default") != "default":
+        legacy["rope_scaling"] = rope
+    return legacy
 
 
 class Attention(nn.Module):
