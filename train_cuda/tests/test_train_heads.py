@@ -31,7 +31,7 @@ from hybrid_train.__main__ import main
 from hybrid_train.data import example
 from hybrid_train.head_stages import draft_accuracy
 from hybrid_train.heads import Drafter, MedusaHeads, examples_from, hidden_states, load_base, save_heads, top1_accuracy
-from hybrid_train.losses import drafter_kd_loss, medusa_loss
+from hybrid_train.losses import IGNORE, drafter_kd_loss, medusa_loss
 from hybrid_train.model import HybridArgs, convert_layers, save_hybrid
 from hybrid_train.teacher import load_teacher, load_tokenizer
 
@@ -287,7 +287,7 @@ def test_draft_stage(tmp_path, teacher_dir, greedy):
 
     held = examples_from(greedy, 64)
     whole = draft_accuracy(load_teacher(teacher_dir), held, "cpu", num_draft=3)
-    left = [n - i for _, labels in held for n in [sum(y != -100 for y in labels)] for i in range(n)]
+    left = [n - i for _, labels in held for n in [sum(y != IGNORE for y in labels)] for i in range(n)]
     assert whole["top1"] == 1.0 and whole["accepted"] == pytest.approx(np.minimum(left, 3).mean(), abs=1e-12)
 
 
