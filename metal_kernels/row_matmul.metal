@@ -17,12 +17,16 @@
 // rounded to T where MLX's own op rounds, but NORM's sum of squares is formed in another order
 // than MLX's RMSNorm forms it, so a normalized row may differ from MLX's in the last bit.
 // Inputs x (M, K or 2K with GATE), w (N, K), nw (K), eps (1), r (M, N), all row-major (an input
-// a flag leaves out is not read). Output y (M, N). Template: T, M, N, K, NPT (MLX's elements a
+// a flag leaves out is not read). Output y (M, N). Template: T, N, K, NPT (MLX's elements a
 // load: 4 where 128 divides K, 2 where 64 does, else 1), C, NW, MW (= ceil(M / NW)), NORM, GATE,
-// RES (0 or 1).
+// RES (0 or 1). M, the rows, comes from x's shape, not the template: MLX builds a kernel once a
+// template (an NVRTC compile on CUDA), so a template by M was built again for each new count of
+// rows (a chat turn's new tokens, the tokens a draft model re-reads); one by MW builds at most NW
+// times a weight shape.
 const int lane = thread_position_in_threadgroup.x % 32;
 const int m0 = thread_position_in_threadgroup.x / 32 * MW;
 const int n0 = threadgroup_position_in_grid.x * C;
+const int M = x_shape[0];
 const int XK = GATE ? 2 * K : K;
 float inv[MW];
 for (int m = 0; m < MW; ++m) {

@@ -129,6 +129,19 @@ def test_kernel_path_only_for_a_few_rows(monkeypatch):
     assert calls == [(linear.ROWS, 96)]
 
 
+def test_one_build_serves_every_row_count_of_a_warp_share(monkeypatch):
+    """MLX builds a kernel once a template: row counts that give each simdgroup as many rows (MW)
+    share one, so a chat turn's new tokens or a draft model's re-read ones build no new kernel."""
+    templates = {}
+    fake = lambda *a, **k: templates.setdefault(k["output_shapes"][0][0], k["template"]) and [mx.zeros(k["output_shapes"][0])]  # noqa: E731
+    monkeypatch.setattr(linear, "load_kernel", lambda *a, **k: fake)
+    w = mx.zeros((40, 96))
+    for M in range(2, 2 * linear.WARPS + 1):
+        linear.row_matmul(mx.zeros((M, 96)), w, backend="cuda")
+    builds = {M: tuple(t) for M, t in templates.items()}
+    assert len(set(builds.values())) == 2
+    assert len({builds[M] for M in range(2, linear.WARPS + 1)}) == 1
+
 # Half types: float32 sums rounded once; outputs are O(10) (K <= 256 unit normals).
 PARITY_TOL = {mx.float32: 1e-4, mx.float16: 2e-2, mx.bfloat16: 1.6e-1}
 

@@ -52,7 +52,7 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | Non
     N, K = w.shape
     npt = 4 if K % 128 == 0 else 2 if K % 64 == 0 else 1  # as MLX's matrix-vector kernel loads
     flags = [("NORM", norm is not None), ("GATE", gated), ("RES", residual is not None)]
-    template = [("T", x.dtype), ("M", M), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS)), *flags]
+    template = [("T", x.dtype), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS)), *flags]
     kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "eps", "r"), ("y",))
     return kernel(
         inputs=[x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual],
