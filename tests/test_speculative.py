@@ -209,6 +209,25 @@ def test_greedy_equals_plain_greedy(target, references, tmp_path_factory, method
         assert total_accepted > 0.1 * total_steps, f"{method}: too few accepted drafts to test anything"
 
 
+
+@pytest.mark.parametrize("layers", [None, ["attention", "mamba", "mamba2"]])
+def test_draft_reads_several_tokens_as_a_plain_forward_does(target, tmp_path, layers):
+    """The tokens a draft re-reads after a step the target accepted whole go in as a chain of
+    tree nodes: the logits, and the cache the next token sees, are a plain forward's."""
+    path, model, _ = target
+    draft = load_model(path if layers is None else make_hybrid_dir(tmp_path / "d", layers, seed=4)[0], "float32")
+    proposer = DraftProposer(draft, model, k=2)
+    prompt, reread = mx.array([list(range(3, 40))]), [50, 61, 72]
+    plain = draft.make_cache()
+    draft(prompt, plain)
+    draft(prompt, proposer.cache)
+    want = draft(mx.array([reread]), plain)[0, -1]
+    got = proposer._logits(mx.array(reread))
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
+    assert [c.offset for c in proposer.cache] == [c.offset for c in plain]
+    want, got = draft(mx.array([[5]]), plain)[0, -1], proposer._logits(mx.array([5]))
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
+
 def test_rejection_sampling_matches_target_synthetic():
     """Multi-draft rejection on two levels with made-up p and q (vocabulary 5, 3 drafts per
     level): the first token must follow p1, and the second, after an accepted first, p2."""

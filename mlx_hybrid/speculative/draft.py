@@ -11,9 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_hybrid.cache import accept_path
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams, common_prefix, prefill
 from mlx_hybrid.speculative.accept import Candidates, target_logprobs
+from mlx_hybrid.speculative.tree import Tree
 
 
 class DraftProposer:
@@ -49,6 +51,17 @@ class DraftProposer:
             self.cache, keep = self.model.make_cache(), 0
         self.fed = self.fed[:keep]
 
+    def _logits(self, x: mx.array) -> mx.array:
+        """The draft's next-token logits after reading tokens x (n,). Several tokens (those re-read
+        after a step the target accepted whole) go in as a chain of tree nodes: MLX's CUDA
+        attention builds a cuDNN plan for each new key length of a query of several tokens (50-160
+        ms on the H100, benchmarks/README.md), the tree kernel none."""
+        if x.shape[0] == 1:
+            return self.model(x[None], self.cache)[0, -1]
+        logits = self.model(x[None], self.cache, tree=Tree.chain(x.shape[0]))[0, -1]
+        accept_path(self.cache, list(range(x.shape[0])))
+        return logits
+
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
         self._rewind(common_prefix(self.fed, history[:-1]))
         pending = history[len(self.fed) :]
@@ -59,7 +72,7 @@ class DraftProposer:
         x = mx.array(pending)
         tokens, logq = [], []
         for _ in range(self.k):
-            logits = self.model(x[None], self.cache)[0, -1, : self.vocab].astype(mx.float32)
+            logits = self._logits(x)[: self.vocab].astype(mx.float32)
             if sampling.temp == 0:
                 x = mx.argmax(logits, axis=-1, keepdims=True)
             else:

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Where a pass of draft-model speculation spends its time, ours beside mlx-lm's on the same
+weights. Written when the H100's first draft row took 144 ms a pass against mlx-lm's 16 (twenty-fifth
+session): here, on one prompt, it took 13, and the slow passes were a few that built kernels or
+cuDNN plans for shapes not seen before (benchmarks/README.md).
+
+Part 1, one op at a time, each the median of 20 after 3 warm-ups, at the prompt's cache: a draft
+model step of one token (ours, mlx-lm's), and a target forward over K + 1 tokens (ours as the
+loop verifies, through the tree path with a chain; ours without a tree; mlx-lm's).
+Part 2, the loop as `speculative.py` runs it (64 tokens, a warm-up run then 2): each iteration's
+gap between yields, split into drafting (`DraftProposer.propose`, which waits for its tokens),
+building the target's pass, acceptance (`accept.greedy`, which waits for the pass) and the cache
+moves (`accept_path`).
+
+MODEL: a directory with draft/ (or a new one: `speculative.py`'s synthetic target and draft).
+
+    python3 benchmarks/gpu/draft_phases.py MODEL OUT [K]
+"""
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import mlx.core as mx
+import mlx.utils
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
+
+import mlx_hybrid.speculative.generate as loop  # noqa: E402
+from mlx_hybrid.chat import render_chat  # noqa: E402
+from mlx_hybrid.generate import SamplingParams, prefill  # noqa: E402
+from mlx_hybrid.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
+from mlx_hybrid.speculative import accept  # noqa: E402
+from mlx_hybrid.speculative.load import target_dtype  # noqa: E402
+from mlx_hybrid.speculative.tree import Tree  # noqa: E402
+
+d, out_path = synthetic_target(Path(sys.argv[1])), Path(sys.argv[2])
+K = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+model = load_model(d)
+prompt = render_chat(load_tokenizer(d), [{"role": "user", "content": CHAT_PROMPTS.read_text().splitlines()[0]}])
+proposer = loop.load_proposer("draft", model, d, num_draft=K)
+
+
+def lm_load(path):
+    from mlx_lm.utils import load_model as lm_load_model
+
+    m = lm_load_model(path)[0]
+    dtype = DTYPES[target_dtype(model)]
+    m.update(mlx.utils.tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, m.parameters()))
+    return m
+
+
+lm_target, lm_draft = lm_load(d), lm_load(d / "draft")
+
+
+def ms(fn, reps=20, warm=3):
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t))
+    return round(median(times), 3)
+
+
+def primed(m, cache):
+    prefill(m, mx.array(prompt[:-1]), cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def lm_primed(m):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(m)
+    mx.eval(m(mx.array(prompt[:-1])[None], cache))
+    return cache
+
+
+tok1, toks = mx.array([[prompt[-1]]]), mx.array([prompt[-K - 1 :]])
+ours_dc, lm_dc = primed(proposer.model, proposer.model.make_cache()), lm_primed(lm_draft)
+ours_tc, lm_tc = primed(model, model.make_cache()), lm_primed(lm_target)
+
+
+def step_and_trim(m, cache, x, tree=None):
+    y = m(x, cache) if tree is None else m(x, cache, tree=tree)
+    mx.eval(mx.argmax(y[0, -1]))
+    if tree is not None:
+        for c in cache:
+            c.pending = None
+    else:
+        for c in cache:
+            c.trim(x.shape[1])
+
+
+ops = {
+    "ours draft step (1 token)": ms(lambda: step_and_trim(proposer.model, ours_dc, tok1)),
+    "mlx-lm draft step (1 token)": ms(lambda: step_and_trim(lm_draft, lm_dc, tok1)),
+    f"ours verify, chain tree ({K + 1} tokens)": ms(lambda: step_and_trim(model, ours_tc, toks, Tree.chain(K + 1))),
+    f"ours forward, no tree ({K + 1} tokens)": ms(lambda: step_and_trim(model, ours_tc, toks)),
+    f"mlx-lm forward ({K + 1} tokens)": ms(lambda: step_and_trim(lm_target, lm_tc, toks)),
+}
+print(json.dumps(ops, indent=1))
+
+log = []  # (phase, start, end)
+
+
+def stamped(name, fn, only=None):
+    def run(*args, **kwargs):
+        t = time.perf_counter()
+        r = fn(*args, **kwargs)
+        if only is None or args[0] is only:
+            log.append((name, t, time.perf_counter()))
+        return r
+    return run
+
+
+cls = type(model)
+cls.__call__ = stamped("build", cls.__call__, only=model)
+proposer.propose = stamped("draft", proposer.propose)
+accept.greedy = stamped("accept", accept.greedy)
+loop.accept_path = stamped("cache", loop.accept_path)
+
+runs = {}
+for rnd in range(3):
+    log.clear()
+    yields, n = [], 0
+    for new, _ in loop.speculative_steps(model, proposer, prompt, model.make_cache(), SamplingParams()):
+        yields.append(time.perf_counter())
+        n += len(new)
+        if n >= 64:
+            break
+    its = []
+    for a, b in zip(yields, yields[1:]):
+        phases = {}
+        for ph, s, e in log:
+            if a <= s < b:
+                phases[ph] = phases.get(ph, 0.0) + 1000 * (e - s)
+        its.append(dict(gap=round(1000 * (b - a), 3), **{k: round(v, 3) for k, v in phases.items()}))
+    runs[rnd] = its
+    if rnd:
+        keys = sorted({k for it in its for k in it})
+        print(f"loop run {rnd}: {len(its)} passes, {n} tokens; first:", its[:2],
+              "median:", {k: round(median(it.get(k, 0.0) for it in its), 3) for k in keys})
+out_path.write_text(json.dumps(dict(ops=ops, loop=runs), indent=1))
