@@ -188,6 +188,17 @@ def test_greedy_oracle_tree_equals_plain_greedy(target, references):
         assert accepted > 10  # deep paths were accepted, not just the root
 
 
+
+def test_host_loop_passes_take_the_compiled_route(target, references):
+    """The loop for proposers that draft on the host (a draft model; every method at temperature
+    > 0) places each pass at the cache's offset, so the pass runs compiled, as greedy passes do,
+    and the tokens stay plain greedy decoding's."""
+    model = load_model(target[0], "float32")
+    for i, (prompt, ref) in enumerate(references[:2]):
+        oracle = OracleProposer(ref, model.args.vocab_size, seed=i, prompt_len=len(prompt))
+        assert run_steps(model, oracle, prompt, N_TOKENS)[0] == ref
+    assert model._placed_tree_fn is not None
+
 @pytest.mark.parametrize("method", ["medusa", "redrafter", "draft", "hybrid_draft"])
 def test_greedy_equals_plain_greedy(target, references, tmp_path_factory, method):
     path, model, _ = target

@@ -122,7 +122,10 @@ def speculative_steps(
         tokens = list(history) + list(prompt) + [root]
         while True:
             cand = proposer.propose(tokens, hidden, sampling)
-            logits, hiddens = model(mx.array(cand.tokens)[None], cache, return_hidden=True, tree=cand.verification_tree())
+            # Placed at the cache's offset, the pass takes the model's compiled route where it has one
+            # (`Tree.at`), as greedy passes do: a small model's pass is bound by the host's time per op.
+            tree = cand.verification_tree().at(mx.array([cache[0].offset], mx.int32), cache[0].offset)
+            logits, hiddens = model(mx.array(cand.tokens)[None], cache, return_hidden=True, tree=tree)
             logits = logits[0].astype(mx.float32)
             if sampling.temp == 0:
                 path, nxt = accept.greedy(cand, logits)
