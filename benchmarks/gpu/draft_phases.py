@@ -28,6 +28,9 @@ import mlx.utils
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phases import iterations, log, stamped  # noqa: E402
+
 import mlx_hybrid.speculative.generate as loop  # noqa: E402
 from mlx_hybrid.chat import render_chat  # noqa: E402
 from mlx_hybrid.generate import SamplingParams, prefill  # noqa: E402
@@ -105,17 +108,6 @@ ops = {
 }
 print(json.dumps(ops, indent=1))
 
-log = []  # (phase, start, end)
-
-
-def stamped(name, fn, only=None):
-    def run(*args, **kwargs):
-        t = time.perf_counter()
-        r = fn(*args, **kwargs)
-        if only is None or args[0] is only:
-            log.append((name, t, time.perf_counter()))
-        return r
-    return run
 
 
 cls = type(model)
@@ -133,13 +125,7 @@ for rnd in range(3):
         n += len(new)
         if n >= 64:
             break
-    its = []
-    for a, b in zip(yields, yields[1:]):
-        phases = {}
-        for ph, s, e in log:
-            if a <= s < b:
-                phases[ph] = phases.get(ph, 0.0) + 1000 * (e - s)
-        its.append(dict(gap=round(1000 * (b - a), 3), **{k: round(v, 3) for k, v in phases.items()}))
+    its = iterations(yields)
     runs[rnd] = its
     if rnd:
         keys = sorted({k for it in its for k in it})

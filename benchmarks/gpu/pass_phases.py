@@ -25,6 +25,9 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phases import iterations, log, stamped  # noqa: E402
+
 import mlx_hybrid.speculative.generate as loop  # noqa: E402
 from mlx_hybrid.chat import render_chat  # noqa: E402
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
@@ -40,16 +43,6 @@ if kind == "chat":
 else:
     prompt = mx.random.randint(0, model.args.vocab_size, (int(kind),), key=mx.random.key(0)).tolist()
 
-log = []  # (phase, start, end)
-
-
-def stamped(name, fn):
-    def run(*args, **kwargs):
-        t = time.perf_counter()
-        r = fn(*args, **kwargs)
-        log.append((name, t, time.perf_counter()))
-        return r
-    return run
 
 
 cls = type(model)
@@ -78,13 +71,7 @@ for rnd in range(4):
             if n >= N:
                 break
         # each iteration: the phases logged between one yield and the next, from the first yield on
-        its = []
-        for a, b in zip(yields, yields[1:]):
-            phases = {}
-            for ph, s, e in log:
-                if a <= s < b:
-                    phases[ph] = phases.get(ph, 0.0) + 1000 * (e - s)
-            its.append(dict(gap=round(1000 * (b - a), 3), **{k: round(v, 3) for k, v in phases.items()}))
+        its = iterations(yields)
         out[f"{name}_{rnd}"] = its
         if rnd:
             keys = sorted({k for it in its for k in it})
