@@ -219,8 +219,8 @@ def draft_accuracy(model, examples: list, device, num_draft: int, batch_size: in
     for i in range(0, len(examples), batch_size):
         batch = {k: v.to(device) for k, v in data.collate(examples[i : i + batch_size]).items()}
         labels = batch["labels"]
-        right = (model(input_ids=batch["input_ids"], use_cache=False).logits.argmax(-1) == labels) & (labels != IGNORE)
         mask = labels != IGNORE
+        right = (model(input_ids=batch["input_ids"], use_cache=False).logits.argmax(-1) == labels) & mask
         run = torch.zeros(labels.shape[0], labels.shape[1] + 1, dtype=torch.long, device=device)  # agreeing tokens from t on
         for t in range(labels.shape[1] - 1, -1, -1):
             run[:, t] = torch.where(right[:, t], (run[:, t + 1] + 1).clamp(max=num_draft), 0)
