@@ -15,6 +15,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_hybrid.adaptive import is_adaptive, request_cache
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.models.linear import matmul_only
 
 generation_stream = mx.new_stream(mx.default_device())
 
@@ -63,9 +64,10 @@ class GenerationResponse:
 
 
 def prefill(model: nn.Module, tokens: mx.array, cache: list, step_size: int = 512, progress=None):
-    """Feed tokens through the model in chunks of step_size, filling the cache."""
+    """Feed tokens through the model in chunks of step_size, filling the cache. Its products take
+    MLX's matmul (`matmul_only`): a prompt's row counts would each build the row kernel on CUDA."""
     done = 0
-    with mx.stream(generation_stream):
+    with mx.stream(generation_stream), matmul_only():
         while done < tokens.size:
             chunk = tokens[done : done + step_size]
             model(chunk[None], cache)

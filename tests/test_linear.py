@@ -11,9 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from factories import GPU_BACKENDS
+from factories import GPU_BACKENDS, make_hf_model_dir
 
+from mlx_hybrid.generate import prefill
 from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.loader import load_model
 from mlx_hybrid.models import linear
 
 # (rows, in, out): one row, the 4/2/1 elements-a-load cases (128 | K, 64 | K, neither), a tree's
@@ -127,6 +129,21 @@ def test_kernel_path_only_for_a_few_rows(monkeypatch):
     rows(mx.zeros((1, linear.ROWS + 1, 96)))
     rows(mx.zeros((1, 1, 96)))
     assert calls == [(linear.ROWS, 96)]
+
+
+def test_prompt_reads_take_the_matmul(monkeypatch, tmp_path):
+    """`prefill` reads a prompt's chunks by MLX's matmul: on CUDA each new warp share of a prompt's
+    rows would build the row kernel again (seconds on the H100), while verification passes repeat
+    a few row counts and keep it. The same forward outside `prefill` takes the kernel."""
+    calls = []
+    monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
+    monkeypatch.setattr(linear, "row_matmul", lambda x, w, backend, **_: calls.append(x.shape) or x @ w.T)
+    model = load_model(make_hf_model_dir(tmp_path / "m"), "float32")
+    cache = model.make_cache()
+    prefill(model, mx.arange(3, 13), cache)
+    assert calls == [] and cache[0].offset == 10
+    model(mx.arange(3, 13)[None], model.make_cache())
+    assert calls and all(shape[0] == 10 for shape in calls)
 
 
 def test_one_build_serves_every_row_count_of_a_warp_share(monkeypatch):
