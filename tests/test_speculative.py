@@ -221,6 +221,20 @@ def test_greedy_equals_plain_greedy(target, references, tmp_path_factory, method
 
 
 
+def test_hybrid_draft_re_reads_only_the_last_step(target, references, tmp_path):
+    """A recurrent draft the target keeps rejecting returns each step to its state after the
+    target's tokens, so it re-reads that step's accepted drafts and new token (at most k + 1), not
+    every token since its last step accepted whole."""
+    _, model, _ = target
+    draft_dir, _ = make_hybrid_dir(tmp_path / "d", ["attention", "mamba"], seed=5)
+    proposer = DraftProposer(load_model(draft_dir, "float32"), model, k=3)
+    reads, logits_of = [], proposer._logits
+    proposer._logits = lambda x: reads.append(x.shape[0]) or logits_of(x)
+    prompt, ref = references[0]
+    assert run_steps(model, proposer, prompt, N_TOKENS)[0] == ref
+    assert len(reads) > 3 * proposer.k and max(reads) <= proposer.k + 1
+
+
 @pytest.mark.parametrize("layers", [None, ["attention", "mamba", "mamba2"]])
 def test_draft_reads_several_tokens_as_a_plain_forward_does(target, tmp_path, layers):
     """The tokens a draft re-reads after a step the target accepted whole go in as a chain of

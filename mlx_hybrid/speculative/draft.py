@@ -2,9 +2,9 @@
 
 The draft keeps its own cache across steps and across chat turns. After a step it must forget the
 drafts the target rejected: a KV cache is trimmed; a recurrent state cannot be, so the draft
-returns to the snapshot taken before the step and re-reads the accepted tokens in the next step's
-first forward pass, together with the new token (the hybrid-draft scheme of "The Mamba in the
-Llama", section 5.5).
+returns to the snapshot taken once it has read the target's tokens, before its first draft, and
+re-reads the accepted drafts in the next step's first forward pass, together with the new token
+(the hybrid-draft scheme of "The Mamba in the Llama", section 5.5).
 """
 
 import mlx.core as mx
@@ -33,7 +33,7 @@ class DraftProposer:
         self.depth = k
         self.cache = draft.make_cache()
         self.fed: list[int] = []  # exactly the tokens the draft cache holds
-        self._snap = None  # (len(fed), per-layer snapshot) before the last step's first forward
+        self._snap = None  # (len(fed), per-layer snapshot) after the last step's first forward
 
     def _rewind(self, keep: int):
         """Make the cache hold fed[:keep]."""
@@ -65,14 +65,15 @@ class DraftProposer:
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
         self._rewind(common_prefix(self.fed, history[:-1]))
         pending = history[len(self.fed) :]
-        if len(pending) > 32:  # a prompt: in chunks; a few re-read tokens go with the first draft step
+        if len(pending) > self.k + 1:  # a prompt (a re-read is at most k + 1 tokens): read as prompts are
             prefill(self.model, mx.array(pending[:-1]), self.cache)
             self.fed, pending = self.fed + pending[:-1], pending[-1:]
-        self._snap = (len(self.fed), [c.snapshot() if hasattr(c, "snapshot") else c.offset for c in self.cache])
         x = mx.array(pending)
         tokens, logq = [], []
-        for _ in range(self.k):
+        for i in range(self.k):
             logits = self._logits(x)[: self.vocab].astype(mx.float32)
+            if i == 0:  # the target's tokens read, no draft yet: what a rejection returns to
+                self._snap = (len(self.fed) + len(pending), [c.snapshot() if hasattr(c, "snapshot") else c.offset for c in self.cache])
             if sampling.temp == 0:
                 x = mx.argmax(logits, axis=-1, keepdims=True)
             else:
