@@ -11,6 +11,11 @@ Part 2, the loop as `speculative.py` runs it (64 tokens, a warm-up run then 2): 
 gap between yields, split into drafting (`DraftProposer.propose`, which waits for its tokens),
 building the target's pass, acceptance (`accept.greedy`, which waits for the pass) and the cache
 moves (`accept_path`).
+Part 3, the prompts in turn as `speculative.py` runs them (3 chat questions, a warm-up round then
+2), the draft keeping its cache from one prompt to the next: each run's tokens a second and its
+slowest passes, with the draft's prompt read (`prefill`) and its several-token re-reads split out.
+Written when every H100 run's first trial of the draft row ran 10x slower than its others
+(twenty-sixth session).
 
 MODEL: a directory with draft/ (or a new one: `speculative.py`'s synthetic target and draft).
 
@@ -131,4 +136,38 @@ for rnd in range(3):
         keys = sorted({k for it in its for k in it})
         print(f"loop run {rnd}: {len(its)} passes, {n} tokens; first:", its[:2],
               "median:", {k: round(median(it.get(k, 0.0) for it in its), 3) for k in keys})
-out_path.write_text(json.dumps(dict(ops=ops, loop=runs), indent=1))
+
+import mlx_hybrid.speculative.draft as draft_module  # noqa: E402
+
+draft_module.prefill = stamped("draft prefill", draft_module.prefill)
+logits_of = draft_module.DraftProposer._logits
+
+
+def reread(self, x):
+    t = time.perf_counter()
+    y = logits_of(self, x)
+    if x.shape[0] > 1:
+        log.append((f"reread {x.shape[0]}", t, time.perf_counter()))
+    return y
+
+
+draft_module.DraftProposer._logits = reread
+questions = CHAT_PROMPTS.read_text().splitlines()[:3]
+prompts = [render_chat(load_tokenizer(d), [{"role": "user", "content": q}]) for q in questions]
+cycle = []
+for rnd in range(3):
+    for i, p in enumerate(prompts):
+        log.clear()
+        yields, n = [], 0
+        for new, _ in loop.speculative_steps(model, proposer, p, model.make_cache(), SamplingParams()):
+            yields.append(time.perf_counter())
+            n += len(new)
+            if n >= 64:
+                break
+        its = iterations(yields)
+        secs = yields[-1] - yields[0]
+        slow = sorted(range(len(its)), key=lambda j: -its[j]["gap"])[:3]
+        cycle.append(dict(round=rnd, prompt=i, prompt_tokens=len(p), tokens=n, tok_s=round(n / secs, 1),
+                          slowest={j: its[j] for j in slow}))
+        print(f"cycle round {rnd} prompt {i}: {n / secs:.1f} tok/s; slowest passes:", {j: its[j] for j in slow}, flush=True)
+out_path.write_text(json.dumps(dict(ops=ops, loop=runs, cycle=cycle), indent=1))
