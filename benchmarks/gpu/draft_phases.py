@@ -121,15 +121,22 @@ proposer.propose = stamped("draft", proposer.propose)
 accept.greedy = stamped("accept", accept.greedy)
 loop.accept_path = stamped("cache", loop.accept_path)
 
-runs = {}
-for rnd in range(3):
+
+def logged_run(p):
+    """The loop on prompt p for 64 tokens, the phase log cleared first: (yield times, tokens)."""
     log.clear()
     yields, n = [], 0
-    for new, _ in loop.speculative_steps(model, proposer, prompt, model.make_cache(), SamplingParams()):
+    for new, _ in loop.speculative_steps(model, proposer, p, model.make_cache(), SamplingParams()):
         yields.append(time.perf_counter())
         n += len(new)
         if n >= 64:
             break
+    return yields, n
+
+
+runs = {}
+for rnd in range(3):
+    yields, n = logged_run(prompt)
     its = iterations(yields)
     runs[rnd] = its
     if rnd:
@@ -157,13 +164,7 @@ prompts = [render_chat(load_tokenizer(d), [{"role": "user", "content": q}]) for 
 cycle = []
 for rnd in range(3):
     for i, p in enumerate(prompts):
-        log.clear()
-        yields, n = [], 0
-        for new, _ in loop.speculative_steps(model, proposer, p, model.make_cache(), SamplingParams()):
-            yields.append(time.perf_counter())
-            n += len(new)
-            if n >= 64:
-                break
+        yields, n = logged_run(p)
         its = iterations(yields)
         secs = yields[-1] - yields[0]
         slow = sorted(range(len(its)), key=lambda j: -its[j]["gap"])[:3]
