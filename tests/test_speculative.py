@@ -188,7 +188,6 @@ def test_greedy_oracle_tree_equals_plain_greedy(target, references):
         assert accepted > 10  # deep paths were accepted, not just the root
 
 
-
 def test_host_loop_passes_take_the_compiled_route(target, references):
     """The loop for proposers that draft on the host (a draft model; every method at temperature
     > 0) places each pass at the cache's offset, so the pass runs compiled, as greedy passes do,
@@ -198,6 +197,7 @@ def test_host_loop_passes_take_the_compiled_route(target, references):
         oracle = OracleProposer(ref, model.args.vocab_size, seed=i, prompt_len=len(prompt))
         assert run_steps(model, oracle, prompt, N_TOKENS)[0] == ref
     assert model._placed_tree_fn is not None
+
 
 @pytest.mark.parametrize("method", ["medusa", "redrafter", "draft", "hybrid_draft"])
 def test_greedy_equals_plain_greedy(target, references, tmp_path_factory, method):
@@ -220,7 +220,6 @@ def test_greedy_equals_plain_greedy(target, references, tmp_path_factory, method
         assert total_accepted > 0.1 * total_steps, f"{method}: too few accepted drafts to test anything"
 
 
-
 def test_hybrid_draft_re_reads_only_the_last_step(target, references, tmp_path):
     """A recurrent draft the target keeps rejecting returns each step to its state after the
     target's tokens, so it re-reads that step's accepted drafts and new token (at most k + 1), not
@@ -237,8 +236,8 @@ def test_hybrid_draft_re_reads_only_the_last_step(target, references, tmp_path):
 
 @pytest.mark.parametrize("layers", [None, ["attention", "mamba", "mamba2"]])
 def test_draft_reads_several_tokens_as_a_plain_forward_does(target, tmp_path, layers):
-    """The tokens a draft re-reads after a step the target accepted whole go in as a chain of
-    tree nodes: the logits, and the cache the next token sees, are a plain forward's."""
+    """The tokens a draft re-reads after a step (at most k + 1) go in as a chain of tree nodes:
+    the logits, and the cache the next token sees, are a plain forward's."""
     path, model, _ = target
     draft = load_model(path if layers is None else make_hybrid_dir(tmp_path / "d", layers, seed=4)[0], "float32")
     proposer = DraftProposer(draft, model, k=2)
@@ -252,6 +251,7 @@ def test_draft_reads_several_tokens_as_a_plain_forward_does(target, tmp_path, la
     assert [c.offset for c in proposer.cache] == [c.offset for c in plain]
     want, got = draft(mx.array([[5]]), plain)[0, -1], proposer._logits(mx.array([5]))
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
+
 
 def test_rejection_sampling_matches_target_synthetic():
     """Multi-draft rejection on two levels with made-up p and q (vocabulary 5, 3 drafts per

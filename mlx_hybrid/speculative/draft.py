@@ -52,10 +52,10 @@ class DraftProposer:
         self.fed = self.fed[:keep]
 
     def _logits(self, x: mx.array) -> mx.array:
-        """The draft's next-token logits after reading tokens x (n,). Several tokens (a step's re-read,
-        at most k + 1) go in as a chain of tree nodes: MLX's CUDA
-        attention builds a cuDNN plan for each new key length of a query of several tokens (50-160
-        ms on the H100, benchmarks/README.md), the tree kernel none."""
+        """The draft's next-token logits after reading tokens x (n,). Several tokens (a step's
+        re-read, at most k + 1) go in as a chain of tree nodes: MLX's CUDA attention builds a cuDNN
+        plan for each new key length of a query of several tokens (50-160 ms on the H100,
+        benchmarks/README.md), the tree kernel none."""
         if x.shape[0] == 1:
             return self.model(x[None], self.cache)[0, -1]
         logits = self.model(x[None], self.cache, tree=Tree.chain(x.shape[0]))[0, -1]
