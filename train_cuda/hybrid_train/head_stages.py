@@ -1,6 +1,7 @@
 """Stages that train speculative-decoding heads for a base model (teacher or hybrid):
 
-medusa     Medusa-1: K heads on a frozen base, head k's cross-entropy weighted 0.8^k
+medusa     Medusa-1: K heads on a frozen base, head k's cross-entropy (or, with `distill`, its KL to the
+           base's distribution) weighted 0.8^k
 medusa2    Medusa-2: heads and backbone together, heads first (warm-up), differential learning
            rates, KL to a frozen copy of the original model instead of the LM loss (self-distillation)
 redrafter  ReDrafter: a recurrent drafter distilled from the base's distributions along its own
@@ -29,7 +30,7 @@ from hybrid_train import data
 from hybrid_train.errors import TrainError
 from hybrid_train.heads import (Drafter, MedusaHeads, MedusaLM, ahead_mask, examples_from, hidden_states, load_base,
                                 save_heads, top1_accuracy)
-from hybrid_train.losses import IGNORE, distill_loss, drafter_kd_loss, medusa_loss
+from hybrid_train.losses import IGNORE, distill_loss, kd_loss, medusa_loss
 from hybrid_train.model import save_model
 from hybrid_train.shrink import keep_layers
 from hybrid_train.teacher import load_teacher, load_tokenizer
@@ -44,6 +45,7 @@ class MedusaConfig(TrainConfig):
     num_heads: int = 4
     num_layers: int = 1  # ResBlocks per head
     decay: float = 0.8  # lambda_k = decay^k
+    distill: bool = False  # KL to the base's distribution ahead (soft labels) instead of CE on its token
     lr: float = 1e-3
 
 
@@ -113,8 +115,17 @@ def _report(cfg, env: Dist, method: str, examples: int, began: float, measure):
 
 def _medusa_batch(batch, num_heads: int):
     labels = batch["labels"]
-    masks = [ahead_mask(labels, k) for k in range(1, num_heads + 1)]
-    return masks, [labels[:, k:][m] for k, m in enumerate(masks, 1)]
+    return [ahead_mask(labels, k) for k in range(1, num_heads + 1)]
+
+
+def _heads_loss(cfg, head_logits, masks, labels, base_logits):
+    """Medusa-1's loss (eq. 1): CE on the tokens ahead, or with `distill` the KL to the base's
+    distributions there (Medusa's self-distillation with soft labels, as ReDrafter's drafter learns;
+    on greedy pseudo-labels their argmax is the token). base_logits: (batch, L, vocab), or None
+    without `distill`."""
+    if cfg.distill:
+        return kd_loss(head_logits, [base_logits[:, k:][m] for k, m in enumerate(masks, 1)], cfg.decay)
+    return medusa_loss(head_logits, [labels[:, k:][m] for k, m in enumerate(masks, 1)], cfg.decay)
 
 
 def medusa(cfg: MedusaConfig, resume: bool = False):
@@ -127,10 +138,11 @@ def medusa(cfg: MedusaConfig, resume: bool = False):
     heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers)
 
     def loss_fn(model, batch):
-        masks, targets = _medusa_batch(batch, cfg.num_heads)
+        masks = _medusa_batch(batch, cfg.num_heads)
         with torch.no_grad():
             h = hidden_states(base, batch["input_ids"])
-        return medusa_loss(model(h, masks), targets, cfg.decay)
+            base_logits = base.lm_head(h) if cfg.distill else None
+        return _heads_loss(cfg, model(h, masks), masks, batch["labels"], base_logits)
 
     began = time.time()
     heads = train(cfg, heads, examples, loss_fn, resume, env, label=f"medusa-1 ({cfg.num_heads} heads)")
@@ -162,12 +174,12 @@ def medusa2(cfg: Medusa2Config, resume: bool = False):
               {"params": [p for p in backbone.parameters() if p.requires_grad], "lr": cfg.backbone_lr, "delay": cfg.heads_warmup}]
 
     def loss_fn(model, batch):
-        masks, targets = _medusa_batch(batch, cfg.num_heads)
+        masks = _medusa_batch(batch, cfg.num_heads)
         with torch.no_grad():
             reference = original(input_ids=batch["input_ids"], use_cache=False).logits
         logits, head_logits = model(batch["input_ids"], masks)
         kl, _ = distill_loss(logits, reference, batch["labels"], alpha=0.0, beta=1.0)  # KL(original || backbone)
-        heads_loss, parts = medusa_loss(head_logits, targets, cfg.decay)
+        heads_loss, parts = _heads_loss(cfg, head_logits, masks, batch["labels"], reference)
         return kl + cfg.lambda0 * heads_loss, {"kl": kl.detach(), **parts}
 
     began = time.time()
@@ -198,7 +210,7 @@ def redrafter(cfg: ReDrafterConfig, resume: bool = False):
             logits = base.lm_head(h)  # the base's distribution at t+j is step j's target at t
             targets = [logits[:, j:][m] for j, m in enumerate(masks, 1)]
             e = embed(ids)
-        return drafter_kd_loss(model(h, e, masks), targets)
+        return kd_loss(model(h, e, masks), targets)
 
     began = time.time()
     drafter = train(cfg, drafter, examples, loss_fn, resume, env, label=f"redrafter ({cfg.draft_steps} steps)")

@@ -50,16 +50,17 @@ def medusa_loss(head_logits, head_targets, decay: float = 0.8):
     return loss, {f"head{k}": ce.detach() for k, ce in enumerate(ces, 1)}
 
 
-def drafter_kd_loss(step_logits, base_logits):
-    """ReDrafter's distillation (eq. 1): KL(p_base || p_drafter) of the next-T-token distributions,
-    which factorizes into the sum over drafted steps j of the per-token KL between the base model's
-    distribution at that position and the drafter's step-j one, each averaged over its positions.
+def kd_loss(step_logits, base_logits, decay: float = 1.0):
+    """Distillation of tokens ahead: the sum over steps j of decay^j times the KL(p_base || p_step)
+    between the base model's distribution at that position and step j's (a drafted step or a Medusa
+    head), each averaged over its positions. With decay 1 this is ReDrafter's eq. 1 (the KL of the
+    next-T-token distributions factorizes so); Medusa's heads take their weights 0.8^k.
     step_logits[j-1], base_logits[j-1]: (n_j, vocab). Returns (loss, {"kl1": ..., "top1_1": ...})."""
     parts, loss = {}, 0.0
     for j, (x, q) in enumerate(zip(step_logits, base_logits), 1):
         logp, logq = F.log_softmax(x.float(), -1), F.log_softmax(q.float(), -1)
         kl = (logq.exp() * (logq - logp)).sum(-1).mean()
-        loss = loss + kl
+        loss = loss + decay**j * kl
         parts[f"kl{j}"] = kl.detach()
         parts[f"top1_{j}"] = (x.argmax(-1) == q.argmax(-1)).float().mean().detach()
     return loss, parts

@@ -31,7 +31,7 @@ from hybrid_train.__main__ import main
 from hybrid_train.data import example
 from hybrid_train.head_stages import draft_accuracy
 from hybrid_train.heads import Drafter, MedusaHeads, examples_from, hidden_states, load_base, save_heads, top1_accuracy
-from hybrid_train.losses import IGNORE, drafter_kd_loss, medusa_loss
+from hybrid_train.losses import IGNORE, kd_loss, medusa_loss
 from hybrid_train.model import HybridArgs, convert_layers, save_hybrid
 from hybrid_train.teacher import load_teacher, load_tokenizer
 
@@ -81,7 +81,7 @@ def test_medusa_loss_by_hand():
     assert loss.item() == pytest.approx(0.544011, abs=1e-6)
 
 
-def test_drafter_kd_loss_by_hand():
+def test_kd_loss_by_hand():
     # Step 1: drafter p = (1/4, 3/4), base q = (3/4, 1/4): KL(q || p) = 3/4 ln 3 - 1/4 ln 3 = 1/2 ln 3 = 0.549306;
     #   top-1 disagrees.
     # Step 2: p = q = (1/4, 3/4): KL 0; p = (1/4, 3/4), q = (1/3, 2/3): KL = 1/3 ln(4/3) + 2/3 ln(8/9)
@@ -89,15 +89,18 @@ def test_drafter_kd_loss_by_hand():
     # Loss = 0.549306 + 0.008686 = 0.557992.
     drafter = [torch.tensor([[0.0, LN3]]), torch.tensor([[0.0, LN3], [0.0, LN3]])]
     base = [torch.tensor([[LN3, 0.0]]), torch.tensor([[0.0, LN3], [0.0, math.log(2)]])]
-    loss, parts = drafter_kd_loss(drafter, base)
+    loss, parts = kd_loss(drafter, base)
     assert parts["kl1"].item() == pytest.approx(0.549306, abs=1e-6)
     assert parts["kl2"].item() == pytest.approx(0.008686, abs=1e-6)
     assert (parts["top1_1"].item(), parts["top1_2"].item()) == (0.0, 1.0)
     assert loss.item() == pytest.approx(0.557992, abs=1e-6)
+    # Medusa's weights: 0.8 * 0.549306 + 0.64 * 0.008686 = 0.439445 + 0.005559 = 0.445004.
+    assert kd_loss(drafter, base, decay=0.8)[0].item() == pytest.approx(0.445004, abs=1e-6)
 
 
 @pytest.mark.parametrize("stage,extra,key", [
     ("medusa", dict(num_heads=3), "head1"),
+    ("medusa", dict(num_heads=3, distill=True), "kl1"),
     ("medusa2", dict(num_heads=2, heads_warmup=2, backbone_lr=1e-3), "head1"),
     ("redrafter", dict(draft_steps=3), "kl1"),
 ])
