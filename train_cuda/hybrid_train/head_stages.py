@@ -113,8 +113,8 @@ def _report(cfg, env: Dist, method: str, examples: int, began: float, measure):
     os.replace(tmp, Path(cfg.out) / "report.json")
 
 
-def _medusa_batch(batch, num_heads: int):
-    labels = batch["labels"]
+def _medusa_masks(labels, num_heads: int):
+    """Each head's positions (`ahead_mask`), k = 1..num_heads."""
     return [ahead_mask(labels, k) for k in range(1, num_heads + 1)]
 
 
@@ -138,7 +138,7 @@ def medusa(cfg: MedusaConfig, resume: bool = False):
     heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers)
 
     def loss_fn(model, batch):
-        masks = _medusa_batch(batch, cfg.num_heads)
+        masks = _medusa_masks(batch["labels"], cfg.num_heads)
         with torch.no_grad():
             h = hidden_states(base, batch["input_ids"])
             base_logits = base.lm_head(h) if cfg.distill else None
@@ -174,7 +174,7 @@ def medusa2(cfg: Medusa2Config, resume: bool = False):
               {"params": [p for p in backbone.parameters() if p.requires_grad], "lr": cfg.backbone_lr, "delay": cfg.heads_warmup}]
 
     def loss_fn(model, batch):
-        masks = _medusa_batch(batch, cfg.num_heads)
+        masks = _medusa_masks(batch["labels"], cfg.num_heads)
         with torch.no_grad():
             reference = original(input_ids=batch["input_ids"], use_cache=False).logits
         logits, head_logits = model(batch["input_ids"], masks)
