@@ -113,9 +113,15 @@ def _report(cfg, env: Dist, method: str, examples: int, began: float, measure):
     os.replace(tmp, Path(cfg.out) / "report.json")
 
 
-def _medusa_masks(labels, num_heads: int):
-    """Each head's positions (`ahead_mask`), k = 1..num_heads."""
-    return [ahead_mask(labels, k) for k in range(1, num_heads + 1)]
+def _ahead_masks(labels, n: int):
+    """Each Medusa head's / drafted step's positions (`ahead_mask`), k = 1..n."""
+    return [ahead_mask(labels, k) for k in range(1, n + 1)]
+
+
+def _ahead(x, masks):
+    """x[:, k:] at the positions masks[k-1] selects, k = 1..: each head's / step's targets (the
+    tokens ahead, or the base's distributions there)."""
+    return [x[:, k:][m] for k, m in enumerate(masks, 1)]
 
 
 def _heads_loss(cfg, head_logits, masks, labels, base_logits):
@@ -124,8 +130,8 @@ def _heads_loss(cfg, head_logits, masks, labels, base_logits):
     on greedy pseudo-labels their argmax is the token). base_logits: (batch, L, vocab), or None
     without `distill`."""
     if cfg.distill:
-        return kd_loss(head_logits, [base_logits[:, k:][m] for k, m in enumerate(masks, 1)], cfg.decay)
-    return medusa_loss(head_logits, [labels[:, k:][m] for k, m in enumerate(masks, 1)], cfg.decay)
+        return kd_loss(head_logits, _ahead(base_logits, masks), cfg.decay)
+    return medusa_loss(head_logits, _ahead(labels, masks), cfg.decay)
 
 
 def medusa(cfg: MedusaConfig, resume: bool = False):
@@ -138,7 +144,7 @@ def medusa(cfg: MedusaConfig, resume: bool = False):
     heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers)
 
     def loss_fn(model, batch):
-        masks = _medusa_masks(batch["labels"], cfg.num_heads)
+        masks = _ahead_masks(batch["labels"], cfg.num_heads)
         with torch.no_grad():
             h = hidden_states(base, batch["input_ids"])
             base_logits = base.lm_head(h) if cfg.distill else None
@@ -174,7 +180,7 @@ def medusa2(cfg: Medusa2Config, resume: bool = False):
               {"params": [p for p in backbone.parameters() if p.requires_grad], "lr": cfg.backbone_lr, "delay": cfg.heads_warmup}]
 
     def loss_fn(model, batch):
-        masks = _medusa_masks(batch["labels"], cfg.num_heads)
+        masks = _ahead_masks(batch["labels"], cfg.num_heads)
         with torch.no_grad():
             reference = original(input_ids=batch["input_ids"], use_cache=False).logits
         logits, head_logits = model(batch["input_ids"], masks)
@@ -204,11 +210,11 @@ def redrafter(cfg: ReDrafterConfig, resume: bool = False):
 
     def loss_fn(model, batch):
         ids, labels = batch["input_ids"], batch["labels"]
-        masks = [ahead_mask(labels, j) for j in range(1, cfg.draft_steps + 1)]
+        masks = _ahead_masks(labels, cfg.draft_steps)
         with torch.no_grad():
             h = hidden_states(base, ids)
             logits = base.lm_head(h)  # the base's distribution at t+j is step j's target at t
-            targets = [logits[:, j:][m] for j, m in enumerate(masks, 1)]
+            targets = _ahead(logits, masks)
             e = embed(ids)
         return kd_loss(model(h, e, masks), targets)
 
