@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from hybrid_train.errors import TrainError
 from hybrid_train.stages import STAGES, parse
 
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if dist.is_initialized():  # a torchrun group left to the interpreter's teardown can abort a rank (gloo's threads)
+            dist.destroy_process_group()
     return 0
 
 
