@@ -1,7 +1,6 @@
 """The `hybrid` command: chat and generate with Llama-family and hybrid models on MLX."""
 
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -48,8 +47,8 @@ def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
 def _stats(r) -> str:
     memory = f"{r.peak_memory:.2f} GB" if r.peak_memory >= 1 else f"{r.peak_memory * 1e3:.0f} MB"
     speculation = ""
-    if hasattr(r, "tokens_per_step"):  # a SpeculativeResponse
-        speculation = f" | {r.tokens_per_step:.2f} tok/step, {r.acceptance_rate:.0%} of drafts accepted"
+    if r.method is not None:
+        speculation = f" | {r.method}: {r.tokens_per_step:.2f} tok/step, {r.acceptance_rate:.0%} of drafts accepted"
     return (
         f"prompt {r.prompt_tokens} tok, {r.prompt_tps:.1f} tok/s | "
         f"reply {r.generation_tokens} tok, {r.generation_tps:.1f} tok/s{speculation} | peak memory {memory}"
@@ -66,7 +65,7 @@ def _proposer(method, target, model_dir, heads, draft_model, num_draft):
         method = profile_choice(model_dir)
         if method is None:
             return None
-    from mlx_hybrid.speculative.generate import load_proposer
+    from mlx_hybrid.speculative import load_proposer
 
     settings = settings_for(method, model_dir) if method in ("medusa", "redrafter") else None
     with err.status(f"Loading the {method} speculator ..."):
@@ -97,12 +96,10 @@ Budget = typer.Option(
 )
 
 
-def _conversion(dsla_layers: list, cache: list) -> str:
-    """Footer of runs under a conversion policy: layers running as DSLA, and the cache's memory now."""
-    from mlx_hybrid.adaptive import cache_nbytes, format_bytes
-
+def _conversion(dsla_layers: list, layers: int, cache: str) -> str:
+    """Footer of runs under a conversion policy: layers running as DSLA, and the cache's memory."""
     n = len(dsla_layers)
-    return f" | DSLA {n}/{len(cache)} layers ({n / len(cache):.0%}) | KV {format_bytes(cache_nbytes(cache))}"
+    return f" | DSLA {n}/{layers} layers ({n / layers:.0%}) | KV {cache}"
 
 
 @app.command()
@@ -132,7 +129,7 @@ def chat(
     budget = None if memory_budget is None else parse_budget(memory_budget)
     loaded, tokenizer, model = _load(model)
     proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
-    session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, proposer=proposer)
+    session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, speculator=proposer)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -167,7 +164,10 @@ def chat(
         if r is not None:
             limit = session.context_limit
             ctx = f" | context {session.context_used}/{limit}" if limit else ""
-            ctx += _conversion(session.dsla_layers, session.cache) if session.policy else ""
+            if session.policy:
+                from mlx_hybrid.adaptive import format_bytes
+
+                ctx += _conversion(session.dsla_layers, len(session.cache), format_bytes(session.cache_bytes))
             out.print(f"[dim]{_stats(r)}{ctx}[/]")
 
 
@@ -193,10 +193,9 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory to stderr."),
 ):
     """Generate a completion for one prompt and stream it to stdout."""
-    from mlx_hybrid.adaptive import is_adaptive, parse_budget, request_cache
+    from mlx_hybrid.adaptive import parse_budget
     from mlx_hybrid.chat import ChatSession
     from mlx_hybrid.generate import stream_generate
-    from mlx_hybrid.speculative.generate import speculative_generate
 
     sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
     budget = None if memory_budget is None else parse_budget(memory_budget)
@@ -210,18 +209,18 @@ def generate(
     if not raw:
         session = ChatSession(loaded, tokenizer, system=system)
         prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
-    cache = plan = None
-    if budget is not None or is_adaptive(loaded):
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        cache, plan = request_cache(loaded, len(ids), max_tokens, budget)
     proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
-    run = stream_generate if proposer is None else partial(speculative_generate, proposer=proposer)
     r = None
-    for r in run(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop, cache=cache):
+    for r in stream_generate(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                             speculator=proposer, memory_budget=budget):
         out.print(r.text, end="", markup=False)
     out.print()
     if verbose and r is not None:
-        err.print(f"[dim]{_stats(r)}{_conversion(plan.dsla_layers, cache) if plan else ''}[/]")
+        from mlx_hybrid.adaptive import format_bytes
+
+        plan = r.plan  # the cache at max_tokens, as the policy planned it
+        conversion = _conversion(plan.dsla_layers, plan.num_layers, f"{format_bytes(plan.cache_bytes)} planned") if plan else ""
+        err.print(f"[dim]{_stats(r)}{conversion}[/]")
 
 
 @app.command()

@@ -164,8 +164,11 @@ class ConversionPolicy:
 
 def request_cache(
     model: nn.Module, prompt_tokens: int, max_tokens: int, budget=None, prefill_step: int = 512
-) -> tuple[list, Plan]:
-    """A fresh cache for one request, converted as the policy decides, and the plan."""
+) -> tuple[list, Plan | None]:
+    """A fresh cache for one request and the plan it follows: converted as the policy decides
+    when the model has DSLA layers or a budget is given, else the model's own (plan None)."""
+    if budget is None and not is_adaptive(model):
+        return model.make_cache(), None
     plan = ConversionPolicy(model, budget).plan(prompt_tokens, max_tokens, prefill_step)
     return model.make_cache(plan.dsla_layers), plan
 

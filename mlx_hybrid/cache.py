@@ -1,39 +1,94 @@
 """Per-layer caches: a KV cache for attention, a fixed-size state for SSM and DSLA layers.
 
+Every cache speaks one protocol (`Cache`): `offset`, `state`, `nbytes`, `snapshot`/`restore`,
+`trimmable`/`trim`, and for a verification pass over a candidate tree (`mlx_hybrid.tree_mask`)
+`hold` (by the layer: the nodes' keys/values or states, apart from the cache) then `commit(path)`
+(by the speculative loop: keep the accepted path, drop the rest).
+
 Growing in `STEP`-token chunks keeps decode from reallocating every token; `trim` rolls the
-cache back so a chat can reuse the prefix it shares with the next turn (and a speculative step
-can drop rejected tokens). Sliding-window layers drop keys no future query can reach.
+cache back so a chat can reuse the prefix it shares with the next turn. Sliding-window layers
+drop keys no future query can reach.
 
 A recurrent layer's state cannot be rolled back token by token; instead `snapshot` keeps a
 reference to the current state (MLX arrays are immutable, so this copies nothing) and `restore`
-returns to it. To verify speculative candidates, a recurrent layer runs them all and leaves a
-`pending` function that gives the state after any candidate; `accept` then keeps the state at
-the end of the accepted path, so accepted tokens are never run again. A KV cache holds the
-candidates' keys and values apart from its buffer during such a pass (attention reads them from
-there) and `accept` writes only the accepted path's into the buffer. `accept_on_device` does the
-same for a path the host has not read yet, so that greedy passes can be queued one ahead of the
-host; `advance` then moves the offsets once it has. That write waits for the buffers' next use
-(`_flush`, at the start of the next pass): made in the pass that read the buffers, it met them still
-held by the pass's attention kernels on a GPU (MLX keeps a kernel's inputs until it has run), so
-it could not write in place and copied each whole buffer first.
+returns to it. To verify speculative candidates, a recurrent layer runs them all and holds the
+state after every candidate; `commit` then keeps the state at the end of the accepted path, so
+accepted tokens are never run again. A KV cache holds the candidates' keys and values apart from
+its buffer during such a pass (attention reads them from there) and `commit` writes only the
+accepted path's into the buffer. A `DevicePath` commits a path the host has not read yet, so that
+greedy passes can be queued one ahead of the host; `advance` then moves the offsets once it has.
+That write waits for the buffers' next use (`_flush`, at the start of the next pass): made in the
+pass that read the buffers, it met them still held by the pass's attention kernels on a GPU (MLX
+keeps a kernel's inputs until it has run), so it could not write in place and copied each whole
+buffer first.
 """
 
 import functools
+from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 
 STEP = 256
 
 
-class KVCache:
+@dataclass
+class DevicePath:
+    """An accepted path the host has not read: nodes (W,) int32, the candidate row that holds it
+    (its first n + 1 nodes, -1 past the row's end), and last, the path's last node (a device
+    scalar). memo: scatter indices shared by the layers of one commit."""
+
+    nodes: mx.array
+    last: mx.array
+    memo: dict = field(default_factory=dict)
+
+
+class Cache:
+    """The protocol every layer cache follows (see the module docstring)."""
+
+    offset: int = 0  # tokens seen: the absolute position of the next one
+
+    @property
+    def state(self) -> list[mx.array]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+    def snapshot(self):
+        """What `restore` returns to."""
+        raise NotImplementedError
+
+    def restore(self, snap):
+        raise NotImplementedError
+
+    def trimmable(self) -> int:
+        """How many of the newest tokens `trim` can remove."""
+        return 0
+
+    def trim(self, n: int) -> int:
+        """Forget the n newest tokens (at most `trimmable`); returns how many were removed."""
+        return 0
+
+    def commit(self, path: list[int] | DevicePath):
+        """Keep the accepted path (node indices, root first) of the tree the last pass held."""
+        raise NotImplementedError
+
+    def advance(self, n: int):
+        """The host learned that the last `DevicePath` commit kept n tokens."""
+        self.offset += n
+
+
+class KVCache(Cache):
     def __init__(self, window: int | None = None):
         self._keys = None
         self._values = None
-        self._write = None  # (row index, keys, values) of a path `accept_on_device` kept, not yet in the buffers
+        self._write = None  # (row index, keys, values) of a path a `DevicePath` commit kept, not yet in the buffers
         self.offset = 0  # absolute position of the next token
         self.start = 0  # absolute position of keys[..., 0, :]
         self.window = window
-        self.pending = None  # (buffer row of node 0, keys, values) of the last verification pass's tree
+        self._held = None  # (buffer row of node 0, keys, values) of the last verification pass's tree
 
     def _buffer(name: str) -> property:
         """A buffer as it is read and replaced from outside: with the kept path written first."""
@@ -43,7 +98,7 @@ class KVCache:
     del _buffer
 
     def _flush(self):
-        """Write the path `accept_on_device` kept: one scatter per buffer, every node of its tree."""
+        """Write the path a `DevicePath` commit kept: one scatter per buffer, every node of its tree."""
         if self._write is not None:
             index, keys, values = self._write
             self._write = None
@@ -69,7 +124,7 @@ class KVCache:
 
     def _reserve(self, rows: int, keys: mx.array, values: mx.array):
         """Room for `rows` buffer rows. The whole old buffer is copied: while greedy passes run
-        ahead of the host (`accept_on_device`), rows past `offset` may hold accepted tokens already."""
+        ahead of the host (`DevicePath` commits), rows past `offset` may hold accepted tokens already."""
         self._flush()
         if self._keys is not None and rows <= self._keys.shape[2]:
             return
@@ -82,12 +137,17 @@ class KVCache:
         self._keys, self._values = new_k, new_v
 
     def hold(self, row: mx.array, keys: mx.array, values: mx.array):
-        """Hold a candidate tree's n keys/values (1, KV, n, D) until `accept`, which writes the
+        """Hold a candidate tree's n keys/values (1, KV, n, D) until `commit`, which writes the
         accepted path's from buffer row `row` (node 0's: `tree_buffers`, which makes the room), a
         device array the host may not know yet. Nothing is written now: attention reads the tree's
-        rows apart from the buffer (`mlx_hybrid.tree_attention`), so that accepting a path is one
+        rows apart from the buffer (`mlx_hybrid.attention`), so that committing a path is one
         write per array rather than a write of every node and then a move of the path."""
-        self.pending = (row, keys, values)
+        self._held = (row, keys, values)
+
+    @property
+    def held(self) -> list[mx.array] | None:
+        """The held tree's keys and values."""
+        return None if self._held is None else list(self._held[1:])
 
     def tree_buffers(self, n: int, pos: mx.array, bound: int, like: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The whole buffers, with room for a tree of n nodes (1, KV, n, D) like `like` at pos
@@ -126,15 +186,17 @@ class KVCache:
     def tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
         """Mask (n, buffer rows + n) for the tree held at buffer row `row` (`hold`), over the
         buffer followed by the tree's own rows: every node sees the rows before the tree (within
-        the window), then itself and its ancestors. Built once per pass (`Tree.once`)."""
+        the window), then itself and its ancestors. Built once per pass (`TreeMask.once`)."""
         key = ("mask", tree.host_offset(self.offset), self.start, self.keys.shape[2])
         return tree.once(key, lambda: tree_mask_over(self.keys.shape[2], row, tree.visible(), depths, self.window))
 
-    def accept(self, path: list[int]):
+    def commit(self, path: list[int] | DevicePath):
         """Write the accepted path's keys/values (node indices, root first, in path order) from
         the tree the last verification pass held (`hold`) after the tokens before it."""
-        _, keys, values = self.pending
-        self.pending = None
+        if isinstance(path, DevicePath):
+            return self._commit_on_device(path)
+        _, keys, values = self._held
+        self._held = None
         base, n = self.offset - self.start, len(path)
         if n:
             index = _path_index(tuple(path))  # None: a prefix of the nodes, a view of them
@@ -143,24 +205,19 @@ class KVCache:
                 getattr(self, name)[..., base : base + n, :] = rows
         self.offset += n
 
-    def accept_on_device(self, nodes: mx.array, last: mx.array, memo: dict):
-        """`accept` for a path the host has not read: nodes (W,) int32, the tree's row that holds
-        the path (its first n + 1 nodes), -1 past the row's end. One scatter per array writes
-        every node of the tree: the row's nodes in row order from node 0's buffer row on, the
-        others after them, where the next path overwrites them; the scatter's index is built once
-        for the layers that share its shape and row (memo). `advance` moves `offset` once the host
+    def _commit_on_device(self, path: DevicePath):
+        """`commit` for a path the host has not read. One scatter per array writes every node of
+        the tree: the row's nodes in row order from node 0's buffer row on, the others after
+        them, where the next path overwrites them; the scatter's index is built once for the
+        layers that share its shape and row (`path.memo`). `advance` moves `offset` once the host
         knows the path's length. The write itself waits for the buffers' next use (`_flush`)."""
-        row, keys, values = self.pending
-        self.pending = None
+        row, keys, values = self._held
+        self._held = None
         key = (id(row), keys.shape)
-        if key not in memo:
-            memo[key] = (row, mx.broadcast_to(_destinations(nodes, keys.shape[2], row)[None, None, :, None], keys.shape))
+        if key not in path.memo:
+            path.memo[key] = (row, mx.broadcast_to(_destinations(path.nodes, keys.shape[2], row)[None, None, :, None], keys.shape))
         self._flush()
-        self._write = (memo[key][1], keys, values)
-
-    def advance(self, n: int):
-        """The host learned that the last `accept_on_device` kept n tokens."""
-        self.offset += n
+        self._write = (path.memo[key][1], keys, values)
 
     def trimmable(self) -> int:
         """How many of the newest tokens `trim` can remove and still serve later queries."""
@@ -169,18 +226,26 @@ class KVCache:
         return max(0, self.offset - (self.start + self.window - 1))
 
     def trim(self, n: int) -> int:
-        """Forget the n newest tokens; returns how many were removed."""
         n = min(n, self.trimmable())
         self.offset -= n
         return n
+
+    def snapshot(self) -> int:
+        return self.offset
+
+    def restore(self, snap: int):
+        """Back to the offset of `snapshot`: rows before it are never overwritten, so a trim,
+        unless a sliding window has dropped what it needs."""
+        if self.trim(self.offset - snap) != self.offset - snap:
+            raise ValueError("a sliding-window cache cannot return that far")
 
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
+    @state.setter
+    def state(self, arrays: list[mx.array]):
+        self.keys, self.values = arrays
 
 
 def tree_mask_over(rows: int, row: mx.array, visible: mx.array, depths: mx.array | None = None, window: int | None = None) -> mx.array:
@@ -201,7 +266,7 @@ def _path_index(path: tuple[int, ...]) -> mx.array | None:
 
 
 def _destinations(nodes: mx.array, n: int, row: mx.array) -> mx.array:
-    """Buffer row of each of a tree's n nodes for `KVCache.accept_on_device`: row + the node's
+    """Buffer row of each of a tree's n nodes for a `DevicePath` commit: row + the node's
     place in `nodes` (-1 past its end), and row + n - 1 for nodes not in it. That row is past the
     path unless every node is on it, and rows past the path are never read before a later path
     overwrites them, so colliding there is harmless."""
@@ -210,7 +275,7 @@ def _destinations(nodes: mx.array, n: int, row: mx.array) -> mx.array:
     return row + slot[:n]
 
 
-class StateCache:
+class StateCache(Cache):
     """The state of a recurrent layer: the same size at every context length.
 
     `arrays` is whatever the layer keeps (Mamba: conv window and SSM state; DSLA: two states);
@@ -220,40 +285,37 @@ class StateCache:
     def __init__(self):
         self.arrays: list[mx.array] | None = None
         self.offset = 0
-        self.pending = None  # candidate node -> its state arrays, after a verification pass
+        self._held = None  # the state after each node of the last verification pass (`hold`)
 
     def update(self, arrays: list[mx.array], n: int):
         """Replace the state after the layer has consumed n more tokens."""
         self.arrays = arrays
         self.offset += n
 
-    def hold_nodes(self, arrays: list[mx.array]):
-        """Keep a verification pass's arrays after every node (node axis 1) for `accept`; one
-        gather each, also for a device scalar node (indexing spells that as ~4 ops)."""
-        self.pending = lambda node: [mx.take(a, node, axis=1) for a in arrays]
+    def hold(self, after: list[mx.array] | Callable[[int | mx.array], list[mx.array]]):
+        """Keep a verification pass's states until `commit`: the arrays after every node (node
+        axis 1), or a function giving the arrays after a node (an int, or a device scalar)."""
+        self._held = after
 
-    def accept(self, path: list[int]):
-        """Advance along the accepted candidate path (node indices, root first) of the last
-        verification pass: the state becomes the one after its last node."""
-        if path:
-            self.arrays = self.pending(path[-1])
+    @property
+    def held(self) -> list[mx.array] | None:
+        """The held per-node arrays, when the layer held arrays rather than a function."""
+        return self._held if isinstance(self._held, list) else None
+
+    def _after(self, node: int | mx.array) -> list[mx.array]:
+        if callable(self._held):
+            return self._held(node)
+        return [mx.take(a, node, axis=1) for a in self._held]  # one gather, also for a device scalar
+
+    def commit(self, path: list[int] | DevicePath):
+        """The state becomes the one after the accepted path's last node (for a `DevicePath`,
+        `advance` moves the offset once the host knows the path's length)."""
+        if isinstance(path, DevicePath):
+            self.arrays = self._after(path.last)
+        elif path:
+            self.arrays = self._after(path[-1])
             self.offset += len(path)
-        self.pending = None
-
-    def accept_on_device(self, nodes: mx.array, last: mx.array, memo: dict):
-        """`accept` for a path the host has not read: the state after node `last` (a device
-        scalar); `advance` moves `offset` once the host knows the path's length."""
-        self.arrays = self.pending(last)
-        self.pending = None
-
-    def advance(self, n: int):
-        self.offset += n
-
-    def trimmable(self) -> int:
-        return 0
-
-    def trim(self, n: int) -> int:
-        return 0
+        self._held = None
 
     def snapshot(self) -> tuple[int, list[mx.array] | None]:
         return self.offset, self.arrays
@@ -265,26 +327,21 @@ class StateCache:
     def state(self) -> list[mx.array]:
         return self.arrays or []
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
+    @state.setter
+    def state(self, arrays: list[mx.array]):
+        self.arrays = list(arrays)
 
 
-def accept_path(cache: list, path: list[int]):
-    """Every layer keeps the accepted path of the last verification pass (see `KVCache.accept`,
-    `StateCache.accept`)."""
+def commit(cache: list[Cache], path: list[int] | mx.array, last: mx.array | None = None):
+    """Every layer keeps the accepted path of the last verification pass: node indices, or on
+    the device the candidate row that holds it and its last node (`DevicePath`)."""
+    if last is not None:
+        path = DevicePath(path, last)
     for c in cache:
-        c.accept(path)
+        c.commit(path)
 
 
-def accept_on_device(cache: list, nodes: mx.array, last: mx.array):
-    """Every layer keeps a path the host has not read yet (`KVCache.accept_on_device`)."""
-    memo: dict = {}
-    for c in cache:
-        c.accept_on_device(nodes, last, memo)
-
-
-def trim_cache(cache: list, n: int) -> int:
+def trim_cache(cache: list[Cache], n: int) -> int:
     """Trim every layer by the same amount (the most all layers allow, at most n)."""
     n = min([n] + [c.trimmable() for c in cache])
     for c in cache:

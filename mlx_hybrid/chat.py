@@ -18,7 +18,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_hybrid.adaptive import ConversionPolicy, Plan, cache_nbytes, is_adaptive
 from mlx_hybrid.cache import trim_cache
-from mlx_hybrid.generate import GenerationResponse, SamplingParams, common_prefix, context_limit, stream_generate
+from mlx_hybrid.decode import common_prefix
+from mlx_hybrid.generate import GenerationResponse, context_limit, stream_generate
+from mlx_hybrid.sampling import SamplingParams
 
 
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -34,11 +36,11 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
 class ChatSession:
     def __init__(
         self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None, memory_budget=None,
-        proposer=None,
+        speculator=None,
     ):
-        """proposer: replies use speculative decoding with it (`mlx_hybrid.speculative.load_proposer`)."""
+        """speculator: replies use speculative decoding with it (`mlx_hybrid.speculative.load_proposer`)."""
         self.model, self.tokenizer, self.system = model, tokenizer, system
-        self.proposer = proposer
+        self.speculator = speculator
         adaptive = memory_budget is not None or is_adaptive(model)
         self.policy = ConversionPolicy(model, memory_budget) if adaptive else None
         self.plan: Plan | None = None  # the last turn's plan
@@ -85,17 +87,10 @@ class ChatSession:
         if trim_cache(self.cache, len(self.tokens) - keep) != len(self.tokens) - keep:
             self.cache, keep = self._new_cache(), 0  # a sliding-window cache can't rewind that far
         self.tokens = prompt[:keep]
-        if self.proposer is None:
-            replies = stream_generate(
-                self.model, self.tokenizer, prompt[keep:], max_tokens=max_tokens, sampling=sampling, cache=self.cache
-            )
-        else:
-            from mlx_hybrid.speculative import speculative_generate
-
-            replies = speculative_generate(
-                self.model, self.tokenizer, prompt[keep:], self.proposer, max_tokens=max_tokens, sampling=sampling,
-                cache=self.cache, history=self.tokens,
-            )
+        replies = stream_generate(
+            self.model, self.tokenizer, prompt[keep:], max_tokens=max_tokens, sampling=sampling, cache=self.cache,
+            history=self.tokens, speculator=self.speculator,
+        )
         try:
             first = next(replies)
         except BaseException:  # prompt rejected, or Ctrl-C during prefill: history unchanged

@@ -1,54 +1,25 @@
-"""Token generation: chunked prefill, pipelined decode, sampling, stop strings and stats.
+"""Text generation: one streaming entry point for plain and speculative decoding.
 
-Decode is pipelined: step n+1 is queued with `mx.async_eval` before token n is handed back, so
-the device never waits on Python between tokens.
+`stream_generate` checks the request, makes the cache (converted to fit a memory budget when the
+model has DSLA layers: `mlx_hybrid.adaptive`), runs the token steps of plain decoding
+(`mlx_hybrid.decode`) or of a speculator (`mlx_hybrid.speculative`), detokenizes, applies stop
+strings and reports speed and memory with every piece of text.
 """
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_hybrid.adaptive import is_adaptive, request_cache
+from mlx_hybrid.adaptive import Plan, request_cache
+from mlx_hybrid.decode import generate_step
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.models.linear import matmul_only
-
-generation_stream = mx.new_stream(mx.default_device())
-
-
-@dataclass
-class SamplingParams:
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    seed: int | None = None
-
-    def check(self):
-        if self.temp < 0:
-            raise HybridError(f"temperature must be >= 0, got {self.temp}")
-        if not 0 <= self.top_p <= 1:
-            raise HybridError(f"top-p must be in [0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise HybridError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise HybridError(f"min-p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise HybridError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
-
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
-
-    def logits_processors(self) -> list:
-        return make_logits_processors(
-            repetition_penalty=self.repetition_penalty, repetition_context_size=self.repetition_context_size
-        )
+from mlx_hybrid.sampling import SamplingParams
+from mlx_hybrid.speculative.proposer import Proposer
+from mlx_hybrid.speculative.steps import speculative_steps
 
 
 @dataclass
@@ -61,68 +32,11 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
-
-
-def prefill(model: nn.Module, tokens: mx.array, cache: list, step_size: int = 512, progress=None):
-    """Feed tokens through the model in chunks of step_size, filling the cache. Its products take
-    MLX's matmul (`matmul_only`): a prompt's row counts would each build the row kernel on CUDA."""
-    done = 0
-    with mx.stream(generation_stream), matmul_only():
-        while done < tokens.size:
-            chunk = tokens[done : done + step_size]
-            model(chunk[None], cache)
-            mx.eval([c.state for c in cache])
-            done += chunk.size
-            if progress:
-                progress(done, tokens.size)
-
-
-def generate_step(
-    prompt: mx.array,
-    model: nn.Module,
-    cache: list,
-    sampler: Callable[[mx.array], mx.array],
-    logits_processors: list = (),
-    max_tokens: int = 256,
-    prefill_step_size: int = 512,
-) -> Iterator[tuple[int, mx.array]]:
-    """Yield (token, logprobs) for up to max_tokens new tokens after prompt, which must be non-empty."""
-
-    def step(tokens: mx.array, history: mx.array):
-        logits = model(tokens[None], cache)[:, -1, :]
-        for processor in logits_processors:
-            logits = processor(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs
-
-    prefill(model, prompt[:-1], cache, prefill_step_size)
-    history = prompt
-    with mx.stream(generation_stream):
-        token, logprobs = step(prompt[-1:], history)
-        mx.async_eval(token, logprobs)
-        for n in range(max_tokens):
-            if n + 1 < max_tokens:
-                if logits_processors:
-                    history = mx.concatenate([history, token])
-                next_token, next_logprobs = step(token, history)
-                mx.async_eval(next_token, next_logprobs)
-            yield token.item(), logprobs
-            if n % 256 == 255:
-                mx.clear_cache()
-            if n + 1 < max_tokens:
-                token, logprobs = next_token, next_logprobs
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (what a cache can keep)."""
-    if len(a) <= len(b) and b[: len(a)] == a:
-        return len(a)
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    method: str | None = None  # the speculator's (medusa, redrafter, draft); None: plain decoding
+    steps: int = 0  # target forward passes since the prompt's
+    tokens_per_step: float = 1.0  # tokens the target produced per pass
+    acceptance_rate: float = 0.0  # accepted drafts / (steps x the speculator's depth)
+    plan: Plan | None = None  # the DSLA conversion a memory policy chose for this request
 
 
 def context_limit(model: nn.Module) -> int | None:
@@ -188,51 +102,73 @@ def stream_generate(
     sampling: SamplingParams | None = None,
     stop: list[str] | tuple = (),
     cache: list | None = None,
+    history: list[int] = (),
+    speculator: Proposer | None = None,
     prefill_step_size: int = 512,
     memory_budget: str | int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream text pieces (with per-token stats) for prompt, a string or token ids.
 
     With a `cache` from `model.make_cache()` the prompt continues what the cache already holds,
-    which is how a chat keeps its history without re-reading it. Without one, a model with DSLA
-    weights runs as many layers as DSLA as weights + cache need to fit memory_budget (bytes or
-    e.g. "8GB"; default: the device's, see `mlx_hybrid.adaptive`); a budget also applies to others.
+    which is how a chat keeps its history without re-reading it (`history`: those tokens, which a
+    draft model must see too). Without one, a model with DSLA weights runs as many layers as DSLA
+    as weights + cache need to fit memory_budget (bytes or e.g. "8GB"; default: the device's,
+    see `mlx_hybrid.adaptive`); a budget also applies to others.
+
+    speculator (`mlx_hybrid.speculative.load_proposer`): decode speculatively, a target pass
+    verifying its drafts. At temperature 0 the tokens are plain greedy decoding's; above it, draft-
+    model and ReDrafter tokens are distributed as sampling from the target, Medusa's follow its
+    typical acceptance.
     """
     sampling = sampling or SamplingParams()
     sampling.check()
+    if speculator is not None and sampling.repetition_penalty is not None:
+        raise HybridError("speculative decoding does not support a repetition penalty")
     tokens, max_tokens = request_tokens(model, tokenizer, prompt, cache, max_tokens)
-    if cache is None and (memory_budget is not None or is_adaptive(model)):
-        cache, _ = request_cache(model, len(tokens), max_tokens, memory_budget, prefill_step_size)
-    cache = cache if cache is not None else model.make_cache()
+    plan = None
+    if cache is None:
+        cache, plan = request_cache(model, len(tokens), max_tokens, memory_budget, prefill_step_size)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
 
+    if speculator is None:
+        steps = (([token], 0) for token, _ in generate_step(
+            mx.array(tokens), model, cache, sampling.sampler(), sampling.logits_processors(), max_tokens, prefill_step_size
+        ))
+    else:
+        steps = speculative_steps(model, speculator, tokens, cache, sampling, history, prefill_step_size)
     stream = TextStream(tokenizer, stop)
+    depth = speculator.depth if speculator is not None else 1
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    steps = generate_step(
-        mx.array(tokens), model, cache, sampling.sampler(), sampling.logits_processors(), max_tokens, prefill_step_size
-    )
-    prompt_tps = 0.0
-    for n, (token, _) in enumerate(steps):
+    prompt_tps, n, passes, accepted = 0.0, 0, 0, 0
+    for new, drafts in steps:
         if n == 0:
-            prompt_time = time.perf_counter() - tic
-            prompt_tps = len(tokens) / prompt_time
+            prompt_tps = len(tokens) / (time.perf_counter() - tic)
             tic = time.perf_counter()
-        piece, finish = stream.add(token, last=n + 1 == max_tokens)
-        elapsed = time.perf_counter() - tic
-        yield GenerationResponse(
-            text=piece,
-            token=token,
-            prompt_tokens=len(tokens),
-            prompt_tps=prompt_tps,
-            generation_tokens=n + 1,
-            generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-        )
-        if finish:
-            break
+        else:
+            passes, accepted = passes + 1, accepted + drafts
+        for token in new:
+            n += 1
+            piece, finish = stream.add(token, last=n == max_tokens)
+            elapsed = time.perf_counter() - tic
+            yield GenerationResponse(
+                text=piece,
+                token=token,
+                prompt_tokens=len(tokens),
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=n / elapsed if elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                method=None if speculator is None else speculator.name,
+                steps=passes,
+                tokens_per_step=(n - 1) / passes if passes else 1.0,
+                acceptance_rate=accepted / (passes * depth) if passes and speculator is not None else 0.0,
+                plan=plan,
+            )
+            if finish:
+                return
 
 
 def generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], **kwargs) -> str:

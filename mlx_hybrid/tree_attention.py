@@ -22,7 +22,7 @@ def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, tree_keys:
     """q (1, H, T, D) for the T nodes and tree_keys (1, KV, T, D) before RoPE, which turns them at
     positions (T,) with `freqs` (`mlx_hybrid.rope`); keys, values (1, KV, >= prefix, D), the cache,
     whose first prefix rows come before the tree; tree_values (1, KV, T, D) the nodes'; visible
-    (T, T) bool, node s is node t or an ancestor of it (`Tree.visible`). Returns the output (1, T,
+    (T, T) bool, node s is node t or an ancestor of it (`TreeMask.visible`). Returns the output (1, T,
     H, D) and the tree's turned keys."""
     q, tree_keys = (apply_rope_at(a.transpose(2, 1, 0, 3), freqs, positions).transpose(2, 1, 0, 3) for a in (q, tree_keys))
     keys = mx.concatenate([keys[..., :prefix, :], tree_keys], axis=2)

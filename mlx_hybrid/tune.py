@@ -27,14 +27,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_hybrid.cache import accept_path
+from mlx_hybrid.cache import commit
+from mlx_hybrid.decode import generate_step, prefill
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import SamplingParams, generate_step, prefill
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.profiles import Settings, device_name, model_key
 from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
-from mlx_hybrid.speculative.generate import load_proposer, speculative_steps
+from mlx_hybrid.speculative.proposer import load_proposer
 from mlx_hybrid.speculative.redrafter import trims_padding
-from mlx_hybrid.speculative.tree import Tree, expected_length, greedy_paths
+from mlx_hybrid.speculative.steps import speculative_steps
+from mlx_hybrid.speculative.tree import expected_length, greedy_paths
+from mlx_hybrid.tree_mask import TreeMask
 
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 WIDTHS = (1, 2, 3, 4, 6, 8)
@@ -68,8 +71,8 @@ def _median_seconds(fn, reps: int) -> float:
     return median(times)
 
 
-def binary_tree(n: int) -> Tree:
-    return Tree.from_parents([-1] + [(t - 1) // 2 for t in range(1, n)])
+def binary_tree(n: int) -> TreeMask:
+    return TreeMask.from_parents([-1] + [(t - 1) // 2 for t in range(1, n)])
 
 
 def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None) -> dict:
@@ -81,12 +84,12 @@ def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps:
     out = {"n": list(counts), "chain": [], "tree": []}
     for i, n in enumerate(counts):
         tokens = mx.array(rng.integers(0, V, n))[None]
-        for shape, tree in (("chain", Tree.chain(n)), ("tree", binary_tree(n))):
+        for shape, tree in (("chain", TreeMask.chain(n)), ("tree", binary_tree(n))):
 
             def run():
-                logits, hidden = model(tokens, cache, return_hidden=True, tree=tree)
+                logits, hidden = model(tokens, cache, mask=tree, return_hidden=True)
                 np.array(mx.argmax(logits[0], axis=-1))  # acceptance reads the argmax on the host
-                accept_path(cache, [])  # back to the context
+                commit(cache, [])  # back to the context
 
             out[shape].append(_median_seconds(run, reps))
         if progress:

@@ -200,17 +200,18 @@ GPU_BACKENDS = [
 
 def check_placed_against_eager(model, parents: list[int], path: list[int]):
     """Three verification passes of the tree `parents` after a 250-token prefix, eager on one cache
-    and placed on the device (`Tree.at`, as greedy passes run) on another, each followed by
-    accepting path's first 2, 3, 4 nodes: the same logits, hidden states and held keys/values or
-    per-node states (atol 1e-5), and at the end the same caches. The second pass needs a bigger
-    KV buffer."""
+    and placed on the device (`TreeMask.at`, as greedy passes run: `verify` then takes the
+    compiled pass where it can) on another, each followed by committing path's first 2, 3, 4
+    nodes: the same logits, hidden states and held keys/values or per-node states (atol 1e-5), and
+    at the end the same caches. The second pass needs a bigger KV buffer."""
     import numpy as np
 
-    from mlx_hybrid.cache import KVCache, accept_path
-    from mlx_hybrid.speculative.tree import Tree
+    from mlx_hybrid.cache import KVCache, commit
+    from mlx_hybrid.speculative.verify import verify
+    from mlx_hybrid.tree_mask import TreeMask
 
     def held(c, node):
-        return list(c.pending[1:]) if isinstance(c, KVCache) else c.pending(node)
+        return c.held if isinstance(c, KVCache) else c._after(node)
 
     def kept(c):
         return [c.keys[..., : c.size, :], c.values[..., : c.size, :]] if isinstance(c, KVCache) else c.arrays
@@ -224,9 +225,9 @@ def check_placed_against_eager(model, parents: list[int], path: list[int]):
     for step in range(3):
         tokens = mx.array([rng.integers(0, vocab, len(parents)).tolist()])
         offset = caches[0][0].offset
-        tree = Tree.from_parents(parents)
-        want = model(tokens, caches[0], return_hidden=True, tree=tree)
-        got = model(tokens, caches[1], return_hidden=True, tree=tree.at(mx.array([offset], mx.int32), offset))
+        tree = TreeMask.from_parents(parents)
+        want = model(tokens, caches[0], mask=tree, return_hidden=True)
+        got = verify(model, tokens, caches[1], tree.at(mx.array([offset], mx.int32), offset))
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5, err_msg=f"pass {step}")
         accepted = path[: step + 2]
@@ -234,8 +235,15 @@ def check_placed_against_eager(model, parents: list[int], path: list[int]):
             for g, w in zip(held(c1, accepted[-1]), held(c0, accepted[-1])):
                 np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5, err_msg=f"pass {step}")
         for cache in caches:
-            accept_path(cache, accepted)
+            commit(cache, accepted)
     for c0, c1 in zip(*caches):
         assert c0.offset == c1.offset
         for g, w in zip(kept(c1), kept(c0)):
             np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5)
+
+
+def took_compiled_pass(model) -> bool:
+    """Whether a verification pass of this model went through the compiled function (`verify`)."""
+    from mlx_hybrid.speculative import verify
+
+    return any(key[0] == id(model) for key in verify._COMPILED)

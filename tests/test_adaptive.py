@@ -24,7 +24,8 @@ from mlx_hybrid.adaptive import ConversionPolicy, cache_nbytes, kv_rows, parse_b
 from mlx_hybrid.cache import STEP, KVCache, StateCache
 from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import generate_step, stream_generate
+from mlx_hybrid.decode import generate_step
+from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load
 
 ATOL = 1e-4

@@ -7,7 +7,7 @@ from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.default_model import PATH, default_model_path
 from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load
-from mlx_hybrid.speculative import load_proposer, speculative_generate
+from mlx_hybrid.speculative import load_proposer
 
 BUDGET = 25_000_000  # bytes of package data for the default model and its drafter
 
@@ -34,5 +34,5 @@ def test_default_model_speculative_greedy_equals_plain_greedy():
     prompt = ChatSession(model, tokenizer).render([{"role": "user", "content": "Give me three tips for staying healthy."}])
     plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24)]
     proposer = load_proposer("redrafter", model, PATH)
-    drafted = [r.token for r in speculative_generate(model, tokenizer, prompt, proposer, max_tokens=24)]
+    drafted = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, speculator=proposer)]
     assert len(plain) == 24 and drafted == plain

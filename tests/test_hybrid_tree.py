@@ -3,7 +3,7 @@ step-by-step decoding along each of its root-to-node paths (the independent refe
 
 Each mixer (Mamba, Mamba2, DSLA) of a random hybrid first consumes a real prefix, then a tree of
 candidate inputs; every node's output must equal the output of decoding its path token by token
-from the prefix state, and `accept(path)` must leave exactly the state that decoding the path
+from the prefix state, and `commit(path)` must leave exactly the state that decoding the path
 leaves. Same float32 model on both sides, only summation order differs: atol 1e-5.
 """
 
@@ -11,12 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import cuda_emulator
-from factories import GPU_BACKENDS, check_placed_against_eager, make_hybrid_dir
+from factories import GPU_BACKENDS, check_placed_against_eager, make_hybrid_dir, took_compiled_pass
 
 from mlx_hybrid.cache import StateCache
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.models.hybrid import ancestor_index
-from mlx_hybrid.speculative.tree import Tree, path_to
+from mlx_hybrid.speculative.tree import path_to
+from mlx_hybrid.tree_mask import TreeMask
 
 ATOL = 1e-5
 # Parent-before-child order; two roots (-1: the cached state), a chain longer than the conv
@@ -36,10 +37,10 @@ def model(tmp_path_factory):
     return load_model(path, "float32")
 
 
-def device_tree(parents: list[int]) -> Tree:
+def device_tree(parents: list[int]) -> TreeMask:
     """The tree as `pack_beams` builds it: parents as an array on the device."""
-    host = Tree.from_parents(parents)
-    return Tree(mx.array(parents, mx.int32), host.depths, host.mask)
+    host = TreeMask.from_parents(parents)
+    return TreeMask(mx.array(parents, mx.int32), host.depths, host.mask)
 
 
 @pytest.mark.parametrize("where", ["host", "device"])
@@ -52,22 +53,22 @@ def test_tree_pass_equals_decoding_each_path(model, layer, where):
     nodes = mx.array(rng.standard_normal((2, len(TREE), hidden)).astype(np.float32))
 
     cache = StateCache()
-    mixer(prefix, cache)
+    mixer(prefix, cache=cache)
     start = cache.snapshot()
-    out = mixer(nodes, cache, Tree.from_parents(TREE) if where == "host" else device_tree(TREE))
+    out = mixer(nodes, TreeMask.from_parents(TREE) if where == "host" else device_tree(TREE), cache)
     assert cache.snapshot() == start  # a verification pass alone does not advance the cache
 
     for node in range(len(TREE)):
         path = path_to(TREE, node)
         ref = StateCache()
         ref.restore(start)
-        steps = [mixer(nodes[:, t : t + 1], ref) for t in path]
+        steps = [mixer(nodes[:, t : t + 1], cache=ref) for t in path]
         np.testing.assert_allclose(np.array(out[:, node]), np.array(steps[-1][:, 0]), atol=ATOL, err_msg=f"node {node}")
 
         accepted = StateCache()
         accepted.restore(start)
-        accepted.pending = cache.pending
-        accepted.accept(path)
+        accepted.hold(cache._held)
+        accepted.commit(path)
         assert accepted.offset == ref.offset
         for got, want in zip(accepted.arrays, ref.arrays):
             np.testing.assert_allclose(np.array(got), np.array(want), atol=ATOL, err_msg=f"state after node {node}")
@@ -82,7 +83,7 @@ def test_hybrid_model_verifies_a_tree(model, exact_float32):
     nodes = mx.array([[7, 11, 2, 30, 8, 19, 4, 21]])
     cache = model.make_cache()
     model(prompt, cache)
-    logits = model(nodes, cache, tree=Tree.from_parents(tree_parents))
+    logits = model(nodes, cache, mask=TreeMask.from_parents(tree_parents))
 
     def fresh_after(path):
         ref = model.make_cache()
@@ -95,7 +96,7 @@ def test_hybrid_model_verifies_a_tree(model, exact_float32):
 
     path = path_to(tree_parents, 7)  # 0 -> 1 -> 3 -> 6 -> 7: a branch off the first children
     for c in cache:
-        c.accept(path)
+        c.commit(path)
     ref, _ = fresh_after(path)
     nxt = mx.array([[12]])
     np.testing.assert_allclose(np.array(model(nxt, cache)), np.array(model(nxt, ref)), atol=1e-4)
@@ -107,23 +108,24 @@ EMULATED = pytest.param("emulated", marks=pytest.mark.skipif(not cuda_emulator.A
 
 @pytest.mark.parametrize("backend", [EMULATED, *GPU_BACKENDS])
 def test_placed_hybrid_pass_equals_the_eager_pass(tmp_path, monkeypatch, backend):
-    """A tree placed on the device (`Tree.at`, as greedy passes run) through a hybrid of attention,
+    """A tree placed on the device (`TreeMask.at`, as greedy passes run) through a hybrid of attention,
     Mamba and Mamba2 layers takes the compiled pass (recurrent layers on `ssm_step`): the same
     logits, hidden states, held keys and per-node states as the eager pass, and after `accept` the
     same caches, over passes that grow the buffer. "emulated" runs the kernels' CUDA bodies on the
     CPU, uncompiled (the emulator needs real arrays): the pass's plumbing on any machine."""
     from mlx_hybrid import scan, tree_attention
     from mlx_hybrid.models import hybrid
+    from mlx_hybrid.speculative import verify
 
     model = load_model(make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2", "attention"], seed=6)[0], "float32")
     if backend == "emulated":
         for module in (scan, tree_attention):
             monkeypatch.setattr(module, "load_kernel", cuda_emulator.load_kernel)
-        for module in (scan, tree_attention, hybrid):
+        for module in (scan, tree_attention, hybrid, verify):
             monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")
         mx.disable_compile()
     try:
         check_placed_against_eager(model, TREE, path_to(TREE, 8))
-        assert model._placed_tree_fn is not None  # the placed passes took the compiled route
+        assert took_compiled_pass(model)  # the placed passes took the compiled route
     finally:
         mx.enable_compile()

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from factories import GPU_BACKENDS, make_hf_model_dir
 
-from mlx_hybrid.generate import prefill
+from mlx_hybrid.decode import prefill
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.models import linear
+from mlx_hybrid.tree_mask import TreeMask
 
 # (rows, in, out): one row, the 4/2/1 elements-a-load cases (128 | K, 64 | K, neither), a tree's
 # rows, the most rows, and outputs that leave a threadgroup's last weight rows empty.
@@ -64,9 +65,9 @@ def test_kernel_path_matches_nn_linear(monkeypatch, bias):
     monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
     monkeypatch.setattr(linear, "load_kernel", cuda_emulator.load_kernel)
     ref, rows = _layers(bias)
-    x = mx.random.normal((1, 7, 96))
+    x = mx.random.normal((7, 96))
     got = rows(x)
-    assert got.shape == (1, 7, 40)
+    assert got.shape == (7, 40)
     np.testing.assert_allclose(np.array(got), np.array(ref(x)), atol=1e-5, rtol=1e-5)
 
 
@@ -119,30 +120,38 @@ def test_fused_project_without_the_kernel_is_the_ops_one_by_one():
 
 
 def test_kernel_path_only_for_a_few_rows(monkeypatch):
-    """One row, or more than ROWS, is nn.Linear's own matmul."""
+    """A matrix of 2..ROWS rows takes the kernel; one row, more than ROWS, or tokens along a
+    sequence axis (batch, L, K) take nn.Linear's own matmul."""
     calls = []
     monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
     monkeypatch.setattr(linear, "row_matmul", lambda x, w, backend, **_: calls.append(x.shape) or x @ w.T)
     _, rows = _layers(False)
-    rows(mx.zeros((1, linear.ROWS, 96)))
+    rows(mx.zeros((linear.ROWS, 96)))
     assert calls == [(linear.ROWS, 96)]
-    rows(mx.zeros((1, linear.ROWS + 1, 96)))
-    rows(mx.zeros((1, 1, 96)))
+    rows(mx.zeros((linear.ROWS + 1, 96)))
+    rows(mx.zeros((1, 96)))
+    rows(mx.zeros((1, linear.ROWS, 96)))
     assert calls == [(linear.ROWS, 96)]
 
 
 def test_prompt_reads_take_the_matmul(monkeypatch, tmp_path):
-    """`prefill` reads a prompt's chunks by MLX's matmul: on CUDA each new warp share of a prompt's
-    rows would build the row kernel again (seconds on the H100), while verification passes repeat
-    a few row counts and keep it. The same forward outside `prefill` takes the kernel."""
+    """A prompt's chunks (tokens along a sequence axis) are read by MLX's matmul: on CUDA each new
+    warp share of a prompt's rows would build the row kernel again (seconds on the H100), while
+    verification passes repeat a few row counts and keep it. The same tokens as a tree's nodes
+    take the kernel."""
     calls = []
+
+    def row_matmul(x, w, backend, gated=False, **_):  # shapes only: norm and residual left out
+        calls.append(x.shape)
+        return (linear.swiglu(*mx.split(x, 2, axis=-1)) if gated else x) @ w.T
+
     monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
-    monkeypatch.setattr(linear, "row_matmul", lambda x, w, backend, **_: calls.append(x.shape) or x @ w.T)
+    monkeypatch.setattr(linear, "row_matmul", row_matmul)
     model = load_model(make_hf_model_dir(tmp_path / "m"), "float32")
     cache = model.make_cache()
     prefill(model, mx.arange(3, 13), cache)
     assert calls == [] and cache[0].offset == 10
-    model(mx.arange(3, 13)[None], model.make_cache())
+    model(mx.arange(3, 13)[None], cache, mask=TreeMask.chain(10))
     assert calls and all(shape[0] == 10 for shape in calls)
 
 
@@ -183,9 +192,9 @@ def test_cuda_rows_equal_single_row_products(dtype):
     for dims in ((96, 40), (576, 72), (1536, 48)):
         ref, rows = _layers(False, dtype, dims)
         for n in (17, 25, linear.ROWS):
-            x = mx.random.normal((1, n, dims[0])).astype(dtype)
+            x = mx.random.normal((n, dims[0])).astype(dtype)
             got = rows(x)
-            singles = mx.concatenate([rows(x[:, t : t + 1]) for t in range(n)], axis=1)
+            singles = mx.concatenate([rows(x[t : t + 1]) for t in range(n)])
             assert mx.array_equal(got, singles).item(), f"{dtype}, {dims}, {n} rows"
             np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref(x).astype(mx.float32)), atol=2e-2, rtol=2e-2)
 

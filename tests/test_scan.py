@@ -241,9 +241,9 @@ def check_step_parity(backend, dtype, monkeypatch):
         for t in range(6):
             with mx.stream(mx.gpu):
                 monkeypatch.setattr(hybrid, "kernel_backend", lambda: backend)
-                y = layer(u[:, t : t + 1], fused)
+                y = layer(u[:, t : t + 1], cache=fused)
                 monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
-                y_ref = layer(u[:, t : t + 1], ref)
+                y_ref = layer(u[:, t : t + 1], cache=ref)
             case = f"{dtype} {kind} n={n} repeats={repeats} batch={batch} step {t}"
             for got, want in zip([y, *fused.arrays], [y_ref, *ref.arrays]):
                 got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
@@ -269,7 +269,7 @@ def check_tree_step_parity(dtype, kernel, monkeypatch, shapes=STEP_SHAPES):
     node), accepting a path, then two decode steps from the accepted state."""
     from mlx_hybrid.cache import StateCache
     from mlx_hybrid.models import hybrid
-    from mlx_hybrid.speculative.tree import Tree
+    from mlx_hybrid.tree_mask import TreeMask
 
     atol, rtol = PARITY_TOL[dtype]
     worst = 0.0
@@ -278,7 +278,7 @@ def check_tree_step_parity(dtype, kernel, monkeypatch, shapes=STEP_SHAPES):
         u = (mx.random.normal((batch, 5 + len(STEP_TREE) + 2, hidden)) * 0.5).astype(dtype)
         fused, ref = StateCache(), StateCache()
         monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
-        layer(u[:, :5], ref)
+        layer(u[:, :5], cache=ref)
         fused.arrays, fused.offset = list(ref.arrays), ref.offset
         case = f"{dtype} {kind} n={n} repeats={repeats} batch={batch}"
 
@@ -291,20 +291,20 @@ def check_tree_step_parity(dtype, kernel, monkeypatch, shapes=STEP_SHAPES):
         nodes = u[:, 5 : 5 + len(STEP_TREE)]
         with mx.stream(mx.gpu if kernel.__name__ != "emulated" else mx.cpu):
             kernel()
-            y = layer(nodes, fused, Tree.from_parents(STEP_TREE))
+            y = layer(nodes, TreeMask.from_parents(STEP_TREE), fused)
             monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
-            y_ref = layer(nodes, ref, Tree.from_parents(STEP_TREE))
+            y_ref = layer(nodes, TreeMask.from_parents(STEP_TREE), ref)
             compare(y, y_ref, "tree outputs")
             for node in range(len(STEP_TREE)):
-                for got, want, what in zip(fused.pending(node), ref.pending(node), ("window", "state")):
+                for got, want, what in zip(fused._after(node), ref._after(node), ("window", "state")):
                     compare(got, want, f"{what} after node {node}")
             for c in (fused, ref):
-                c.accept([0, 1, 3, 7, 8])
+                c.commit([0, 1, 3, 7, 8])
             for t in range(5 + len(STEP_TREE), u.shape[1]):
                 kernel()
-                y = layer(u[:, t : t + 1], fused)
+                y = layer(u[:, t : t + 1], cache=fused)
                 monkeypatch.setattr(hybrid, "kernel_backend", lambda: None)
-                compare(y, layer(u[:, t : t + 1], ref), f"decode step after the accepted path, token {t}")
+                compare(y, layer(u[:, t : t + 1], cache=ref), f"decode step after the accepted path, token {t}")
                 for got, want, what in zip(fused.arrays, ref.arrays, ("window", "state")):
                     compare(got, want, f"{what} after token {t}")
     return worst

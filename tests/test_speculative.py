@@ -18,16 +18,19 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import cuda_emulator
-from factories import make_hf_model_dir, make_hybrid_dir
+from factories import make_hf_model_dir, make_hybrid_dir, took_compiled_pass
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import SamplingParams, generate_step, stream_generate
+from mlx_hybrid.decode import generate_step
+from mlx_hybrid.generate import stream_generate
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.loader import load, load_model
 from mlx_hybrid.speculative import accept
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.draft import DraftProposer
-from mlx_hybrid.speculative.generate import load_proposer, speculative_generate, speculative_steps
+from mlx_hybrid.speculative import load_proposer
+from mlx_hybrid.speculative.steps import speculative_steps
 from mlx_hybrid.speculative.medusa import MedusaConfig, MedusaHeads, MedusaProposer, calibrate, load_medusa
 from mlx_hybrid.speculative.redrafter import Drafter, DrafterConfig, ReDrafterProposer, load_redrafter
 from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths
@@ -117,6 +120,8 @@ class OracleProposer:
     node a token that cannot be accepted. Accepted paths then vary in length and sit anywhere in
     the tree, so cache compaction really moves rows, and the target accepts exactly the true path."""
 
+    name, drafts_on_device = "oracle", False
+
     def __init__(self, reference: list[int], vocab: int, seed: int, prompt_len: int = 0):
         self.ref, self.vocab, self.prompt_len = reference, vocab, prompt_len
         self.rng = np.random.default_rng(seed)
@@ -146,6 +151,8 @@ class OracleProposer:
 class OracleDrafts(OracleProposer):
     """The oracle for the greedy loop (`draft`): it knows where each pass leaves the target, the
     end of the true path, without reading the device."""
+
+    drafts_on_device = True
 
     def __init__(self, reference: list[int], vocab: int, seed: int):
         super().__init__(reference, vocab, seed)
@@ -196,7 +203,7 @@ def test_host_loop_passes_take_the_compiled_route(target, references):
     for i, (prompt, ref) in enumerate(references[:2]):
         oracle = OracleProposer(ref, model.args.vocab_size, seed=i, prompt_len=len(prompt))
         assert run_steps(model, oracle, prompt, N_TOKENS)[0] == ref
-    assert model._placed_tree_fn is not None
+    assert took_compiled_pass(model)
 
 
 @pytest.mark.parametrize("method", ["medusa", "redrafter", "draft", "hybrid_draft"])
@@ -518,19 +525,21 @@ def test_calibrate_writes_greedy_tree(target, references, tmp_path):
     assert len(tree) == 13 and sorted(tree.paths) == sorted(result["medusa_choices"])
 
 
-def test_speculative_generate_matches_stream_generate(target, exact_float32):
-    """Same text, tokens and finish reasons as the plain API, stop strings and max tokens included."""
+def test_speculative_stream_generate_matches_plain(target, exact_float32):
+    """Same text, tokens and finish reasons with a speculator as without, stop strings and max
+    tokens included; only speculative responses carry the method and steps of several tokens."""
     path, model, tokenizer = target
     proposer = DraftProposer(noisy_copy(model, path, 0.01, seed=3), model, k=3)
     for prompt, kw in [("The quick brown", dict(max_tokens=25)), ("Once upon", dict(max_tokens=40, stop=["o"]))]:
         want = list(stream_generate(model, tokenizer, prompt, **kw))
-        got = list(speculative_generate(model, tokenizer, prompt, proposer, **kw))
+        got = list(stream_generate(model, tokenizer, prompt, speculator=proposer, **kw))
         assert [r.token for r in got] == [r.token for r in want]
         assert "".join(r.text for r in got) == "".join(r.text for r in want)
         assert got[-1].finish_reason == want[-1].finish_reason
-        assert got[-1].steps >= 1 and got[-1].tokens_per_step >= 1
+        assert got[-1].method == "draft" and got[-1].steps >= 1 and got[-1].tokens_per_step > 1
+        assert want[-1].method is None and want[-1].tokens_per_step == 1 and want[-1].steps == len(want) - 1
     with pytest.raises(HybridError, match="repetition penalty"):
-        list(speculative_generate(model, tokenizer, "hi", proposer, sampling=SamplingParams(repetition_penalty=1.1)))
+        list(stream_generate(model, tokenizer, "hi", speculator=proposer, sampling=SamplingParams(repetition_penalty=1.1)))
 
 
 def test_hybrid_target_greedy_equals_plain_greedy(tmp_path):
@@ -581,11 +590,11 @@ def emulate_gpu_kernels(monkeypatch):
     kept at their padded size, as on a GPU."""
     from mlx_hybrid import scan, tree_attention
     from mlx_hybrid.models import hybrid
-    from mlx_hybrid.speculative import redrafter, topk, tree
+    from mlx_hybrid.speculative import redrafter, topk, tree, verify
 
     for module in (scan, tree_attention, accept, tree, topk):
         monkeypatch.setattr(module, "load_kernel", cuda_emulator.load_kernel)
-    for module in (scan, tree_attention, hybrid, accept, tree, topk):
+    for module in (scan, tree_attention, hybrid, accept, tree, topk, verify):
         monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")
     monkeypatch.setattr(redrafter, "trims_padding", lambda: False)
     mx.disable_compile()
@@ -611,6 +620,6 @@ def test_greedy_on_emulated_gpu_kernels_equals_plain_greedy(target, tmp_path, mo
         for prompt, ref in references:
             got, steps, _ = run_steps(model, proposer, prompt, 14)
             assert got == ref, f"{kind} {method}, prompt {prompt}"
-        assert model._placed_tree_fn is not None  # the passes took the compiled route (run uncompiled here)
+        assert took_compiled_pass(model)  # the passes took the compiled route (run uncompiled here)
     finally:
         mx.enable_compile()

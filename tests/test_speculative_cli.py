@@ -66,7 +66,7 @@ def test_chat_session_speculative_turns_match_plain(model_dir):
 
     model, tokenizer = load(model_dir)
     plain = ChatSession(model, tokenizer)
-    spec = ChatSession(model, tokenizer, proposer=load_proposer("draft", model, model_dir, num_draft=3))
+    spec = ChatSession(model, tokenizer, speculator=load_proposer("draft", model, model_dir, num_draft=3))
     for text in ("Tell me about the fox.", "And the robot?"):
         want = [r.token for r in plain.send(text, max_tokens=15)]
         got = list(spec.send(text, max_tokens=15))

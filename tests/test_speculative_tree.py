@@ -13,22 +13,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import cuda_emulator
-from factories import GPU_BACKENDS, check_placed_against_eager, make_hf_model_dir
+from factories import GPU_BACKENDS, check_placed_against_eager, make_hf_model_dir, took_compiled_pass
 
-from mlx_hybrid.cache import KVCache, accept_on_device, accept_path
+from mlx_hybrid.cache import KVCache, commit
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.speculative.tree import (
     MedusaTree,
-    Tree,
-    ancestor_mask,
     cartesian_paths,
     expected_length,
     greedy_paths,
     pack_beams,
     path_to,
     retrieve_indices,
-    tree_depths,
 )
+from mlx_hybrid.tree_mask import TreeMask, ancestor_mask, tree_depths
 
 ATOL = 1e-4
 # Two levels below the root, uneven: 0 -> {1, 2}, 1 -> {3, 4}, 2 -> {5}, 4 -> {6}.
@@ -47,9 +45,9 @@ def test_depths_mask_retrieve():
         [1, 1, 0, 0, 1, 0, 1],
     ]
     assert retrieve_indices(PARENTS).tolist() == [[0, 1, 3, -1], [0, 2, 5, -1], [0, 1, 4, 6]]
-    tree = Tree.from_parents(PARENTS)
+    tree = TreeMask.from_parents(PARENTS)
     assert np.array(tree.depths).tolist() == [0, 1, 1, 2, 2, 2, 3]
-    chain = Tree.from_parents([-1, 0, 1, 2])
+    chain = TreeMask.from_parents([-1, 0, 1, 2])
     assert chain.depths is None and chain.mask is None  # a chain runs as ordinary causal attention
     with pytest.raises(ValueError, match="precede"):
         tree_depths([-1, 2, 0])
@@ -247,23 +245,23 @@ def hold_tree(cache, keys, values, pos, bound):
     return held
 
 
-def test_kv_cache_accept_compacts():
+def test_kv_cache_commit_compacts():
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 5), kv_rows(100, 105))  # a 5-token prefix
     hold_tree(cache, kv_rows(5, 11), kv_rows(105, 111), mx.array([5], mx.int32), 5)  # 6 candidate nodes
     assert cache.offset == 5
-    cache.accept([0, 2, 5])
-    assert cache.offset == 8 and cache.pending is None
+    cache.commit([0, 2, 5])
+    assert cache.offset == 8 and cache.held is None
     k, v = cache.update_and_fetch(kv_rows(50, 51), kv_rows(150, 151))
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50]
     assert v[0, 1, :, 3].tolist() == [100, 101, 102, 103, 104, 105, 107, 110, 150]
     # A path that is a prefix of the nodes is written without a gather.
     hold_tree(cache, kv_rows(60, 63), kv_rows(160, 163), mx.array([9], mx.int32), 9)
-    cache.accept([0, 1])
+    cache.commit([0, 1])
     assert cache.offset == 11 and cache.keys[0, 0, :11, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 10, 50, 60, 61]
 
 
-def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
+def test_kv_cache_device_commits_run_ahead_of_the_host():
     """Two trees queued before the host reads either path: the second is held where the first
     path ended (a device position), the rows its accepting writes past that path's (the rest of
     the first row, the nodes off it) are overwritten, and the first path survives the buffer
@@ -272,10 +270,10 @@ def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
     cache.update_and_fetch(kv_rows(0, 250), kv_rows(1000, 1250))
     pos = mx.array([250], mx.int32)
     hold_tree(cache, kv_rows(300, 306), kv_rows(1300, 1306), pos, 250)
-    accept_on_device([cache], mx.array([0, 2, 5, 3], mx.int32), mx.array(5))  # path 0, 2, 5 of the row (n = 2)
+    commit([cache], mx.array([0, 2, 5, 3], mx.int32), mx.array(5))  # path 0, 2, 5 of the row (n = 2)
     pos = pos + 3
     hold_tree(cache, kv_rows(400, 410), kv_rows(1400, 1410), pos, 250 + 4)  # grows the buffer past 256
-    accept_on_device([cache], mx.array([0, 1, 4, -1], mx.int32), mx.array(4))  # path 0, 1, 4, a short row
+    commit([cache], mx.array([0, 1, 4, -1], mx.int32), mx.array(4))  # path 0, 1, 4, a short row
     for n in (3, 3):
         cache.advance(n)
     assert cache.offset == 256 and cache.keys.shape[2] == 512
@@ -283,31 +281,31 @@ def test_kv_cache_accept_on_device_runs_ahead_of_the_host():
     assert cache.values[0, 0, 248:256, 2].tolist() == [1248, 1249, 1300, 1302, 1305, 1400, 1401, 1404]
 
 
-def test_kv_cache_accept_on_device_keeps_a_whole_chain():
+def test_kv_cache_device_commit_keeps_a_whole_chain():
     """Every node on the path (a chain accepted to its end): no row is left for the nodes off it."""
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 3), kv_rows(100, 103))
     hold_tree(cache, kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
-    accept_on_device([cache], mx.array([0, 1, 2, 3], mx.int32), mx.array(3))
+    commit([cache], mx.array([0, 1, 2, 3], mx.int32), mx.array(3))
     cache.advance(4)
     assert cache.keys[0, 0, :7, 0].tolist() == [0, 1, 2, 10, 11, 12, 13]
     assert cache.values[0, 1, :7, 1].tolist() == [100, 101, 102, 110, 111, 112, 113]
 
 
 def test_kv_cache_writes_a_kept_path_before_the_next_write():
-    """`accept_on_device` leaves its write for the buffers' next use; a decode step after it (the
+    """A `DevicePath` commit leaves its write for the buffers' next use; a decode step after it (the
     loop ended, a chat goes on) must find the path in place and its own row after it, and a
     row written after a trim must not be overwritten by the path's late write."""
     cache = KVCache()
     cache.update_and_fetch(kv_rows(0, 3), kv_rows(100, 103))
     hold_tree(cache, kv_rows(10, 14), kv_rows(110, 114), mx.array([3], mx.int32), 3)
-    accept_on_device([cache], mx.array([0, 2, -1], mx.int32), mx.array(2))  # path 0, 2 (n = 1)
+    commit([cache], mx.array([0, 2, -1], mx.int32), mx.array(2))  # path 0, 2 (n = 1)
     cache.advance(2)
     k, v = cache.update_and_fetch(kv_rows(50, 51), kv_rows(150, 151))
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 10, 12, 50]
     assert v[0, 1, :, 1].tolist() == [100, 101, 102, 110, 112, 150]
     hold_tree(cache, kv_rows(20, 23), kv_rows(120, 123), mx.array([6], mx.int32), 6)
-    accept_on_device([cache], mx.array([0, 1, 2], mx.int32), mx.array(2))  # queued, never read
+    commit([cache], mx.array([0, 1, 2], mx.int32), mx.array(2))  # queued, never read
     cache.trim(1)
     k, _ = cache.update_and_fetch(kv_rows(60, 61), kv_rows(160, 161))
     assert k[0, 1, :, 0].tolist() == [0, 1, 2, 10, 12, 60]
@@ -323,7 +321,7 @@ def test_kv_cache_sliding_window_keeps_a_path_the_host_has_not_read():
         if host == 264:
             cache.advance(2)  # the host reads A; B's rows lie past its offset when C drops rows
         hold_tree(cache, tokens, tokens + 1000, pos, host + len(nodes))
-        accept_on_device([cache], mx.array(nodes, mx.int32), mx.array(nodes[-1]))
+        commit([cache], mx.array(nodes, mx.int32), mx.array(nodes[-1]))
         pos = pos + len(nodes)
     cache.advance(3)
     cache.advance(1)
@@ -337,7 +335,7 @@ def test_tree_mask_sees_the_prefix_and_the_ancestors():
     position, with a window."""
     cache = KVCache(window=4)
     cache.update_and_fetch(kv_rows(0, 5), kv_rows(0, 5))
-    tree = Tree.from_parents([-1, 0, 0, 2]).at(mx.array([5], mx.int32), 5)
+    tree = TreeMask.from_parents([-1, 0, 0, 2]).at(mx.array([5], mx.int32), 5)
     _, _, row = hold_tree(cache, kv_rows(5, 9), kv_rows(5, 9), tree.pos, tree.bound)
     mask = np.array(cache.tree_mask(tree, row, tree.node_depths()))
     rows = cache.keys.shape[2]
@@ -362,7 +360,7 @@ def test_tree_pass_equals_plain_decoding(model):
     tokens = rng.integers(0, vocab, len(PARENTS)).tolist()
     cache = model.make_cache()
     model(mx.array([prefix]), cache)
-    logits, hidden = model(mx.array([tokens]), cache, return_hidden=True, tree=Tree.from_parents(PARENTS))
+    logits, hidden = model(mx.array([tokens]), cache, mask=TreeMask.from_parents(PARENTS), return_hidden=True)
     for node in range(len(PARENTS)):
         path = path_to(PARENTS, node)
         ref_logits, ref_hidden = model(mx.array([prefix + [tokens[t] for t in path]]), return_hidden=True)
@@ -370,7 +368,7 @@ def test_tree_pass_equals_plain_decoding(model):
         np.testing.assert_allclose(np.array(hidden[0, node]), np.array(ref_hidden[0, -1]), atol=ATOL)
 
     path = [0, 1, 4, 6]
-    accept_path(cache, path)
+    commit(cache, path)
     assert cache[0].offset == len(prefix) + len(path)
     nxt = rng.integers(0, vocab, 3).tolist()
     got = model(mx.array([nxt]), cache)
@@ -379,11 +377,11 @@ def test_tree_pass_equals_plain_decoding(model):
 
 
 def test_placed_tree_pass_equals_the_eager_pass(model):
-    """A tree placed on the device (`Tree.at`, as greedy passes run) goes through the compiled
+    """A tree placed on the device (`TreeMask.at`, as greedy passes run) goes through the compiled
     pass on a cache without a window (Mistral's takes the eager one): the same logits, hidden
     states and held keys as the eager pass (atol 1e-5), over passes that grow the buffer."""
     check_placed_against_eager(model, PARENTS, [0, 1, 4, 6])
-    assert (model._placed_tree_fn is not None) == (model.args.sliding_window is None)
+    assert took_compiled_pass(model) == (model.args.sliding_window is None)
 
 
 def test_chain_pass_then_accept_is_a_trim(model, exact_float32):
@@ -392,10 +390,10 @@ def test_chain_pass_then_accept_is_a_trim(model, exact_float32):
     chain = rng.integers(0, model.args.vocab_size, 5).tolist()
     cache = model.make_cache()
     model(mx.array([prefix]), cache)
-    logits = model(mx.array([chain]), cache, tree=Tree.chain(5))
+    logits = model(mx.array([chain]), cache, mask=TreeMask.chain(5))
     ref = model(mx.array([prefix + chain]))
     np.testing.assert_allclose(np.array(logits[0]), np.array(ref[0, -5:]), atol=ATOL)
-    accept_path(cache, [0, 1])
+    commit(cache, [0, 1])
     got = model(mx.array([chain[2:3]]), cache)
     np.testing.assert_allclose(np.array(got[0, -1]), np.array(ref[0, len(prefix) + 2]), atol=ATOL)
 

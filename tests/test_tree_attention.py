@@ -17,7 +17,7 @@ from factories import GPU_BACKENDS, make_hf_model_dir
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.rope import apply_rope_at, rope_frequencies
-from mlx_hybrid.speculative.tree import Tree, ancestor_mask
+from mlx_hybrid.tree_mask import TreeMask, ancestor_mask
 from mlx_hybrid.tree_attention import launch, tree_attention, tree_attention_ref
 
 # Parent-before-child order: a Medusa-like tree, a chain, and a packed beam whose last two nodes
@@ -199,7 +199,7 @@ def test_verification_pass_with_kernel_matches_reference(tmp_path, monkeypatch):
     def verify():
         cache = model.make_cache()
         model(mx.array([[1, 4, 9, 16, 25, 36, 49, 64, 81, 100] * 3]), cache)
-        return np.array(model(tokens, cache, tree=Tree.from_parents(parents)))
+        return np.array(model(tokens, cache, mask=TreeMask.from_parents(parents)))
 
     with_kernel = verify()
     monkeypatch.setattr(llama, "tree_kernel", lambda *args: None)

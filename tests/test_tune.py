@@ -13,10 +13,13 @@ from test_cli import assert_one_line_error, run
 from test_speculative_cli import model_dir  # noqa: F401  (fixture: a target with medusa/, redrafter/, draft/)
 
 from mlx_hybrid import profiles
-from mlx_hybrid.generate import SamplingParams, generate, generate_step
+from mlx_hybrid.decode import generate_step
+from mlx_hybrid.generate import generate
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.loader import load
 from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
-from mlx_hybrid.speculative.generate import load_proposer, speculative_steps
+from mlx_hybrid.speculative import load_proposer
+from mlx_hybrid.speculative.steps import speculative_steps
 from mlx_hybrid.speculative.redrafter import Drafter, DrafterConfig
 from mlx_hybrid.tune import verification_cost
 

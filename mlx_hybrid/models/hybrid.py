@@ -21,6 +21,7 @@ from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.models.linear import Linear, fused_project
 from mlx_hybrid.scan import selective_scan, ssm_step
+from mlx_hybrid.tree_mask import TreeMask
 
 MAMBA_IN_LLAMA_CONFIG = "mamba_config.json"  # beside config.json in MambaInLlama releases
 LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")
@@ -192,28 +193,40 @@ class CausalConv(nn.Module):
         """Window (zeros before the first token), weights (C, K) and bias for `ssm_step`."""
         C, _, K = self.weight.shape
         if window is None:
-            window = mx.zeros((u.shape[0], K - 1, C), u.dtype)
+            window = mx.zeros((_batched(u).shape[0], K - 1, C), u.dtype)
         bias = self.bias if "bias" in self else mx.zeros((C,), u.dtype)
         return window, self.weight.reshape(C, K), bias
 
 
 def _batched(a: mx.array) -> mx.array:
-    """a (batch, tokens, features) as `ssm_step` takes it, from a compiled pass's (nodes,
-    features), whose projections then take the nodes as rows of a matrix without a reshape."""
+    """a (batch, tokens, features), also from a tree's (nodes, features): the nodes as rows of a
+    matrix (`llama.LlamaModel`) are a batch of one."""
     return a.reshape(-1, *a.shape[-2:])
 
 
-def _parents(tree) -> mx.array | None:
+def _parents(tree: TreeMask | None) -> mx.array | None:
     """The tree's parents for `ssm_step` (one array per pass, shared with the attention layers)."""
     return None if tree is None else tree.once("parents", tree.parent_array)
 
 
-def _advance(cache: StateCache, window: mx.array, state: mx.array, tree):
-    """After `ssm_step`: the decode step's window and state, or every node's until `accept`."""
+def _kernel_backend(u: mx.array, tree: TreeMask | None) -> str | None:
+    """The backend of `ssm_step` for a decode step or a tree, where the device has one."""
+    return kernel_backend() if tree is not None or u.shape[1] == 1 else None
+
+
+def _finish(cache: StateCache, arrays: list[mx.array], tree: TreeMask | None):
+    """After `ssm_step`: the decode step's window and state, or every node's (a tree)."""
     if tree is None:
-        cache.update([window, state], 1)
+        cache.update(arrays, 1)
     else:
-        cache.hold_nodes([window, state])
+        cache.hold(arrays)
+
+
+def _output(y: mx.array, shape: tuple, residual: mx.array | None) -> mx.array:
+    """residual + y, y back in the input's layout `shape` (nodes as rows stay rows; the reference
+    paths run (batch, tokens, .))."""
+    y = y.reshape(*shape[:-1], -1)
+    return y if residual is None else residual + y
 
 
 class Mamba(nn.Module):
@@ -257,24 +270,26 @@ class Mamba(nn.Module):
         x, z, Bm, Cm, dt = _mamba_inputs(self.in_proj(u), self.d_xb, self.d_inner, self.d_state, self.repeats)
         return x, z, Bm, Cm, self.dt_proj(dt) + self.dt_proj.bias
 
-    def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
-        """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
-        window, state = cache.arrays or (None, mx.zeros((u.shape[0], self.d_state, self.d_inner)))
-        if (u.shape[1] == 1 or tree is not None) and (backend := kernel_backend()):
-            y, window, state = self.kernel_step(u, window, state, _parents(tree), backend)
-            _advance(cache, window, state, tree)
+    def __call__(self, u: mx.array, mask: TreeMask | None = None, cache: StateCache = None, norm=None, residual=None) -> mx.array:
+        """residual + the mixer over norm(u) (both optional), advancing the cache; with a tree
+        mask, u holds its nodes as rows and the cache holds the state after each (`StateCache.hold`)."""
+        window, state = cache.arrays or (None, mx.zeros((_batched(u).shape[0], self.d_state, self.d_inner)))
+        if backend := _kernel_backend(u, mask):
+            y, window, state = self.kernel_step(u, window, state, _parents(mask), backend, norm, residual)
+            _finish(cache, [window, state], mask)
             return y
+        shape, u = u.shape, _batched(u if norm is None else norm(u))
         x, z, Bm, Cm, dt = self.project(u)
         A = -mx.exp(self.A_log.astype(mx.float32)).T
-        if tree is not None:
-            x, window_after = self.conv1d.tree(x, window, tree)
-            y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state, range(len(tree)), tree.parents)
-            cache.pending = lambda node: [window_after(node), states[:, node]]
-            return self.out_proj(_silu_gate(y, z))
-        x, window = self.conv1d(x, window)
-        y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state)
-        cache.update([window, states[:, -1]], u.shape[1])
-        return self.out_proj(_silu_gate(y, z))
+        if mask is not None:
+            x, window_after = self.conv1d.tree(x, window, mask)
+            y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state, range(len(mask)), mask.parents)
+            cache.hold(lambda node: [window_after(node), states[:, node]])
+        else:
+            x, window = self.conv1d(x, window)
+            y, states = selective_scan(nn.silu(x), nn.softplus(dt), A, Bm, Cm, self.D, state)
+            cache.update([window, states[:, -1]], u.shape[1])
+        return _output(self.out_proj(_silu_gate(y, z)), shape, residual)
 
 
 class Mamba2(nn.Module):
@@ -307,29 +322,29 @@ class Mamba2(nn.Module):
         y = _head_rms_norm(y, self.norm.weight, self.d_state, self.eps)
         return fused_project(self.out_proj, y.reshape(*u.shape[:-1], -1), residual=residual), window, state
 
-    def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
-        """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
-        B_, L, _ = u.shape
+    def __call__(self, u: mx.array, mask: TreeMask | None = None, cache: StateCache = None, norm=None, residual=None) -> mx.array:
+        """As `Mamba.__call__`."""
         n, r = self.d_state, self.repeats
-        window, state = cache.arrays or (None, mx.zeros((B_, n, self.d_inner)))
-        if (L == 1 or tree is not None) and (backend := kernel_backend()):
-            y, window, state = self.kernel_step(u, window, state, _parents(tree), backend)
-            _advance(cache, window, state, tree)
+        window, state = cache.arrays or (None, mx.zeros((_batched(u).shape[0], n, self.d_inner)))
+        if backend := _kernel_backend(u, mask):
+            y, window, state = self.kernel_step(u, window, state, _parents(mask), backend, norm, residual)
+            _finish(cache, [window, state], mask)
             return y
-        proj = self.in_proj(u)
-        z, xBC, dt = mx.split(proj, [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
-        if tree is not None:
-            xBC, window_after = self.conv1d.tree(xBC, window, tree)
+        shape, u = u.shape, _batched(u if norm is None else norm(u))
+        L = u.shape[1]
+        z, xBC, dt = mx.split(self.in_proj(u), [self.d_inner, 2 * self.d_inner + 2 * self.d_xb], axis=-1)
+        if mask is not None:
+            xBC, window_after = self.conv1d.tree(xBC, window, mask)
         else:
             xBC, window = self.conv1d(xBC, window)
         x, Bm, Cm, dt, A, D = _mamba2_inputs(xBC, dt, self.dt_bias, self.A_log, self.D, self.d_xb, n, r)
-        if tree is not None:
-            y, states = selective_scan(x, dt, A, Bm, Cm, D, state, range(L), tree.parents)
-            cache.pending = lambda node: [window_after(node), states[:, node]]
+        if mask is not None:
+            y, states = selective_scan(x, dt, A, Bm, Cm, D, state, range(L), mask.parents)
+            cache.hold(lambda node: [window_after(node), states[:, node]])
         else:
             y, states = selective_scan(x, dt, A, Bm, Cm, D, state)
             cache.update([window, states[:, -1]], L)
-        return self.out_proj(_head_rms_norm(_silu_gate(y, z), self.norm.weight, n, self.eps))
+        return _output(self.out_proj(_head_rms_norm(_silu_gate(y, z), self.norm.weight, n, self.eps)), shape, residual)
 
 
 def _gla_block(q, k, v, b, visible, state):
@@ -403,8 +418,10 @@ class DSLA(nn.Module):
         B, L, _ = t.shape
         return t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, u: mx.array, cache: StateCache, tree=None) -> mx.array:
-        """Advance the cache over u; with `tree`, u is a candidate tree (see `StateCache.accept`)."""
+    def __call__(self, u: mx.array, mask: TreeMask | None = None, cache: StateCache = None, norm=None, residual=None) -> mx.array:
+        """As `Mamba.__call__`."""
+        tree = mask
+        shape, u = u.shape, _batched(u if norm is None else norm(u))
         B, L, _ = u.shape
         qkv = self._heads(self.qkv_proj(u))
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
@@ -417,14 +434,14 @@ class DSLA(nn.Module):
         if tree is not None:
             visible = tree.visible()
             (o1, after1), (o2, after2) = (gated_linear_attention_tree(q, k, v, g, s, visible) for g, s in ((g1, s1), (g2, s2)))
-            cache.pending = lambda node: [after1(node), after2(node)]
+            cache.hold(lambda node: [after1(node), after2(node)])
         else:
             o1, s1 = gated_linear_attention(q, k, v, g1, s1)
             o2, s2 = gated_linear_attention(q, k, v, g2, s2)
             cache.update([s1, s2], L)
         gamma = self.gamma.astype(mx.float32)
         o = self.o_norm((gamma * o1 + (1 - gamma) * o2).astype(u.dtype))
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return _output(self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1)), shape, residual)
 
 
 MIXERS = {"attention": llama.Attention, "mamba": Mamba, "mamba2": Mamba2, "dsla": DSLA}
@@ -452,28 +469,11 @@ class HybridLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self[MIXER_NAME[self.kind]]
 
-    def __call__(self, x: mx.array, cache, tree=None) -> mx.array:
-        """With `tree` (`mlx_hybrid.speculative.tree.Tree`) x holds speculative candidates:
-        attention sees the tree's positions and mask, a recurrent layer its parents."""
+    def __call__(self, x: mx.array, mask: TreeMask | None = None, cache=None) -> mx.array:
+        """As `llama.DecoderLayer`: norms and residual adds go to the mixer's and MLP's projections."""
         kind = "dsla" if self.kind == "attention" and isinstance(cache, StateCache) else self.kind
-        mixer = self[MIXER_NAME[kind]]
-        h = x + mixer(self.input_layernorm(x), cache, tree)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def compiles_tree(self, cache) -> bool:
-        """Whether `placed_tree` can run this layer in a compiled pass: attention as a Llama
-        layer's, Mamba and Mamba2 on the GPU kernel (`ssm_step`); DSLA never."""
-        if self.kind == "attention":
-            return llama.DecoderLayer.compiles_tree(self, cache)
-        return self.kind in ("mamba", "mamba2") and cache.arrays is not None and kernel_backend() is not None
-
-    def placed_tree(self, h: mx.array, a: mx.array, b: mx.array, at: llama.PlacedTree):
-        """`llama.DecoderLayer.placed_tree`; a recurrent layer takes its window and state (a, b)
-        and returns them after every node."""
-        if self.kind == "attention":
-            return llama.DecoderLayer.placed_tree(self, h, a, b, at)
-        h, window, state = self.mixer.kernel_step(h, a, b, at.parents, kernel_backend(), self.input_layernorm, h)
-        return self.mlp.nodes(h, self.post_attention_layernorm), (window, state)
+        h = self[MIXER_NAME[kind]](x, mask, cache, norm=self.input_layernorm, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class Model(llama.Model):

@@ -13,8 +13,6 @@ The same launch can also take the RMSNorm or SwiGLU before a projection and the 
 after it (`fused_project`). On Metal MLX's own matmul has no such host cost and is kept.
 """
 
-import contextlib
-import contextvars
 import functools
 
 import mlx.core as mx
@@ -24,25 +22,9 @@ from mlx_hybrid.kernels import kernel_backend, load_kernel
 
 # The most rows the kernel takes; more go to nn.Linear's matmul.
 ROWS = 64
-# Set while a prompt is read (`matmul_only`).
-_matmul_only = contextvars.ContextVar("matmul_only", default=False)
 # Weight rows a threadgroup, and its simdgroups, which split the input rows between them.
 COLUMNS = 2
 WARPS = 8
-
-
-@contextlib.contextmanager
-def matmul_only():
-    """Products by MLX's matmul within, whatever their rows: for reading a prompt. Verification
-    passes repeat a few row counts, a prompt's chunk can be any, and on CUDA the first product of
-    each new warp share of rows (MW) builds the row kernel for every weight shape, about a second
-    each (a draft's 62-token prompt read took 6.6 s the first time on the H100 and 7 ms the next,
-    benchmarks/README.md). A prompt is read once, so cuBLASLt's host time costs it little."""
-    token = _matmul_only.set(True)
-    try:
-        yield
-    finally:
-        _matmul_only.reset(token)
 
 
 def row_matmul_ref(x: mx.array, w: mx.array) -> mx.array:
@@ -84,13 +66,16 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | Non
 
 def row_product(x: mx.array, w: mx.array, norm: nn.RMSNorm | None = None, gated: bool = False,
                 residual: mx.array | None = None) -> mx.array | None:
-    """x (..., K) @ w (N, K)^T on the row kernel where it takes x: 2..ROWS rows in w's dtype, on
-    CUDA, outside `matmul_only`; else None. norm, gated, residual (..., N): as `row_matmul`."""
-    rows = x.size // x.shape[-1]
-    if rows == 1 or rows > ROWS or _matmul_only.get() or kernel_backend() != "cuda" or x.dtype != w.dtype:
+    """x @ w (N, K)^T on the row kernel where it takes x: a matrix (rows, K) of 2..ROWS rows (a
+    verification pass's nodes, a drafter's beams) in w's dtype, on CUDA; else None. norm, gated,
+    residual (rows, N): as `row_matmul`. Inputs with a sequence axis (batch, L, K), a prompt's
+    chunks, take MLX's matmul: their row counts are any, and on CUDA the first product of each
+    new warp share of rows (MW) builds the kernel for every weight shape, about a second each (a
+    draft's 62-token prompt read took 6.6 s the first time on the H100 and 7 ms the next); a
+    prompt is read once, so cuBLASLt's host time costs it little."""
+    if x.ndim != 2 or not 1 < x.shape[0] <= ROWS or kernel_backend() != "cuda" or x.dtype != w.dtype:
         return None
-    residual = None if residual is None else residual.reshape(rows, -1)
-    return row_matmul(x.reshape(rows, -1), w, backend="cuda", norm=norm, gated=gated, residual=residual).reshape(*x.shape[:-1], -1)
+    return row_matmul(x, w, backend="cuda", norm=norm, gated=gated, residual=residual)
 
 
 def fused_project(layer: nn.Module, x: mx.array, norm: nn.RMSNorm | None = None, gated: bool = False,

@@ -1,16 +1,16 @@
 """Speculative decoding: Medusa heads, a ReDrafter drafter or a draft model propose tokens, and the
-target verifies them in one forward pass (candidate trees: `tree`). Formats: FORMAT.md.
+target verifies them in one forward pass over a candidate tree. Formats: FORMAT.md.
 
-    from mlx_hybrid import load
-    from mlx_hybrid.speculative import load_proposer, speculative_generate
+    from mlx_hybrid import load, stream_generate
+    from mlx_hybrid.speculative import load_proposer
 
     model, tokenizer = load("path/to/model")
     proposer = load_proposer("medusa", model, "path/to/model")  # reads path/to/model/medusa/
-    for r in speculative_generate(model, tokenizer, "Hello", proposer, max_tokens=64):
+    for r in stream_generate(model, tokenizer, "Hello", max_tokens=64, speculator=proposer):
         print(r.text, end="")
     print(r.tokens_per_step, r.acceptance_rate)
 """
 
-from mlx_hybrid.speculative.generate import SpeculativeResponse, load_proposer, speculative_generate
+from mlx_hybrid.speculative.proposer import Proposer, load_proposer
 
-__all__ = ["SpeculativeResponse", "load_proposer", "speculative_generate"]
+__all__ = ["Proposer", "load_proposer"]

@@ -23,30 +23,30 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_hybrid.generate import SamplingParams
 from mlx_hybrid.kernels import kernel_backend, load_kernel
-from mlx_hybrid.speculative.tree import Tree
+from mlx_hybrid.sampling import SamplingParams
+from mlx_hybrid.tree_mask import TreeMask
 
 
 @dataclass
 class Candidates:
     """What a proposer hands to verification.
 
-    tokens: (T,) node tokens, node 0 the target's last token. parents: the tree (`tree.Tree`).
+    tokens: (T,) node tokens, node 0 the target's last token. parents: the tree (`TreeMask`).
     drafts: node -> the nodes drafted below it, in the order they were drawn, one entry per draw
         (a node drawn twice appears twice); defaults to the children in node order.
     q: (T, V) numpy, the draft distribution each node's drafts were drawn from (rejection only).
-    tree: the `Tree` of parents, when the proposer has it built already.
+    tree: the `TreeMask` of parents, when the proposer has it built already.
     """
 
     tokens: np.ndarray
     parents: list[int]
     drafts: dict[int, list[int]] | None = None
     q: np.ndarray | None = None
-    tree: Tree | None = None
+    tree: TreeMask | None = None
 
-    def verification_tree(self) -> Tree:
-        return self.tree if self.tree is not None else Tree.from_parents(self.parents)
+    def verification_tree(self) -> TreeMask:
+        return self.tree if self.tree is not None else TreeMask.from_parents(self.parents)
 
     def draft_lists(self) -> dict[int, list[int]]:
         if self.drafts is not None:
@@ -60,11 +60,11 @@ class Candidates:
 
 @dataclass
 class Draft:
-    """A greedy proposer's candidates, left on the device: tokens (T,), the `Tree`, and rows
+    """A greedy proposer's candidates, left on the device: tokens (T,), the `TreeMask`, and rows
     (R, depth + 1) int32, the nodes of each root-to-leaf candidate, padded with -1."""
 
     tokens: mx.array
-    tree: Tree
+    tree: TreeMask
     rows: mx.array
 
     def arrays(self) -> list[mx.array]:

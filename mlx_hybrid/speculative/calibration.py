@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import generate_step, prefill
+from mlx_hybrid.decode import generate_step, prefill
 from mlx_hybrid.speculative.tree import first_sharing
 
 

@@ -11,15 +11,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_hybrid.cache import accept_path
+from mlx_hybrid.cache import commit
+from mlx_hybrid.decode import common_prefix, prefill
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import SamplingParams, common_prefix, prefill
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, target_logprobs
-from mlx_hybrid.speculative.tree import Tree
+from mlx_hybrid.tree_mask import TreeMask
 
 
 class DraftProposer:
     name = "draft"
+    drafts_on_device = False
 
     def __init__(self, draft: nn.Module, target: nn.Module, k: int = 4):
         if k < 1:
@@ -43,13 +45,21 @@ class DraftProposer:
         if min(c.trimmable() for c in self.cache) >= n:
             for c in self.cache:
                 c.trim(n)
-        elif self._snap is not None and self._snap[0] <= keep:
-            for c, s in zip(self.cache, self._snap[1]):
-                c.restore(s) if hasattr(c, "restore") else c.trim(c.offset - s)
+        elif self._snap is not None and self._snap[0] <= keep and self._restore(self._snap[1]):
             keep = self._snap[0]
         else:
             self.cache, keep = self.model.make_cache(), 0
         self.fed = self.fed[:keep]
+
+    def _restore(self, snaps: list) -> bool:
+        """Every layer back to its snapshot; False when one cannot go back (a sliding window
+        dropped what it needs)."""
+        try:
+            for c, s in zip(self.cache, snaps):
+                c.restore(s)
+        except ValueError:
+            return False
+        return True
 
     def _logits(self, x: mx.array) -> mx.array:
         """The draft's next-token logits after reading tokens x (n,). Several tokens (a step's
@@ -58,8 +68,8 @@ class DraftProposer:
         benchmarks/README.md), the tree kernel none."""
         if x.shape[0] == 1:
             return self.model(x[None], self.cache)[0, -1]
-        logits = self.model(x[None], self.cache, tree=Tree.chain(x.shape[0]))[0, -1]
-        accept_path(self.cache, list(range(x.shape[0])))
+        logits = self.model(x[None], self.cache, mask=TreeMask.chain(x.shape[0]))[0, -1]
+        commit(self.cache, list(range(x.shape[0])))
         return logits
 
     def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
@@ -73,7 +83,7 @@ class DraftProposer:
         for i in range(self.k):
             logits = self._logits(x)[: self.vocab].astype(mx.float32)
             if i == 0:  # the target's tokens read, no draft yet: what a rejection returns to
-                self._snap = (len(self.fed) + len(pending), [c.snapshot() if hasattr(c, "snapshot") else c.offset for c in self.cache])
+                self._snap = (len(self.fed) + len(pending), [c.snapshot() for c in self.cache])
             if sampling.temp == 0:
                 x = mx.argmax(logits, axis=-1, keepdims=True)
             else:

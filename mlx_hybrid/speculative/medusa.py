@@ -17,8 +17,8 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import SamplingParams
 from mlx_hybrid.models.linear import Linear
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
@@ -140,6 +140,7 @@ class MedusaProposer:
     """Candidates from the heads' top-k tokens at the hidden state that produced the root."""
 
     name = "medusa"
+    drafts_on_device = True
 
     def __init__(self, heads: MedusaHeads, tree: MedusaTree | None = None):
         self.heads = heads

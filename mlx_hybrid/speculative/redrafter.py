@@ -21,13 +21,14 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_hybrid.errors import HybridError
-from mlx_hybrid.generate import SamplingParams
 from mlx_hybrid.models.linear import Linear
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft, target_logprobs
 from mlx_hybrid.speculative.load import check_target, load_into, read_config
 from mlx_hybrid.speculative.medusa import ResBlock
 from mlx_hybrid.speculative.topk import beam_step
-from mlx_hybrid.speculative.tree import Tree, pack_beams
+from mlx_hybrid.speculative.tree import pack_beams
+from mlx_hybrid.tree_mask import TreeMask
 
 
 @dataclass
@@ -67,11 +68,14 @@ class Drafter(nn.Module):
 
     def logits(self, h: mx.array, state: mx.array) -> mx.array:
         x = mx.concatenate([mx.broadcast_to(h, state.shape), state], axis=-1)
+        # The beams as the rows of a matrix: over a few rows on CUDA each product is one launch
+        # that reads the weight once (`linear.row_product`).
+        x = x.reshape(-1, x.shape[-1])
         if "input_proj" in self:
             x = self.input_proj(x)
         for layer in self.lm_head:
             x = layer(x)
-        return x
+        return x.reshape(*state.shape[:-1], -1)
 
     def beam_search(self, h: mx.array, roots: mx.array, embed: nn.Embedding, width: int, length: int) -> list[mx.array]:
         """Beam search from a batch of roots (B,) and hidden states h (B, hidden): the beams after
@@ -129,6 +133,7 @@ def trims_padding() -> bool:
 
 class ReDrafterProposer:
     name = "redrafter"
+    drafts_on_device = True
 
     def __init__(self, drafter: Drafter, target: nn.Module, beam_width: int | None = None, beam_length: int | None = None):
         self.drafter = drafter
@@ -148,8 +153,8 @@ class ReDrafterProposer:
         tokens, parents, depths, mask, node_of, count = self._search(root, hidden)
         if trims_padding():
             n = count.item()
-            return Draft(tokens[:n], Tree(parents[:n], depths[:n], mask[:n, :n]), node_of)
-        return Draft(tokens, Tree(parents, depths, mask), node_of)
+            return Draft(tokens[:n], TreeMask(parents[:n], depths[:n], mask[:n, :n]), node_of)
+        return Draft(tokens, TreeMask(parents, depths, mask), node_of)
 
     def _search_and_pack(self, root: mx.array, hidden: mx.array) -> tuple[mx.array, ...]:
         beams = self.drafter.beam_search(hidden[None], root.reshape(1), self.embed, self.width, self.length)[-1].squeeze(0)  # not [0]: a gather

@@ -1,11 +1,9 @@
-"""Candidate trees: what the target verifies in one forward pass, and how their nodes relate.
+"""Candidate trees: what the target verifies in one forward pass, built by each proposer.
 
 A tree is a list of nodes in parent-before-child order; node t continues node `parents[t]`, and
 -1 means it continues the cache (node 0, the token the target produced last, is the only root
 anything is drafted below; a packed beam's padding nodes are roots that no candidate reaches).
-Attention layers see it as per-node positions (cache offset + depth)
-and an ancestor mask, or on a GPU its parents (`mlx_hybrid.tree_attention`); recurrent layers use
-`parents` directly (`mlx_hybrid.models.hybrid`).
+The model reads it as its attention mask (`mlx_hybrid.tree_mask.TreeMask`).
 
 Medusa builds its tree from paths of top-k ranks, one rank per head (`MedusaTree`), either the
 Cartesian product of per-head top-k or a sparse tree chosen greedily from measured head
@@ -15,111 +13,13 @@ on the device, so that drafting, verification and acceptance run without waiting
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_hybrid.kernels import kernel_backend, load_kernel
-
-
-@dataclass
-class Tree:
-    """What a verification forward pass needs besides the tokens.
-
-    parents: node t continues node parents[t] (-1: the cache); parents precede children. A list,
-        or an int32 array when the tree was built on the device (`pack_beams`).
-    depths: (T,) int32, each node's distance from the cache (root 0): its position is the cache
-        offset plus its depth. None for a chain, where node t sits at depth t.
-    mask: (T, T) bool, mask[t, s] is True when s is t or one of its ancestors. None for a chain,
-        where it is the causal mask.
-    pos, bound: node 0's absolute position on the device and the most it can be (`at`); None:
-        the cache's offset.
-    """
-
-    parents: list[int] | mx.array
-    depths: mx.array | None = None
-    mask: mx.array | None = None
-    pos: mx.array | None = None
-    bound: int = 0
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def from_parents(cls, parents: list[int]) -> "Tree":
-        parents = [int(p) for p in parents]
-        if parents == list(range(-1, len(parents) - 1)):
-            return cls(parents)
-        depth, mask = tree_depths(parents), ancestor_mask(parents)
-        return cls(parents, mx.array(depth, mx.int32), mx.array(mask))
-
-    @classmethod
-    def chain(cls, n: int) -> "Tree":
-        return cls(list(range(-1, n - 1)))
-
-    def __len__(self) -> int:
-        return len(self.parents)
-
-    def once(self, key, make):
-        """make(), built once for all the layers of a pass that ask with the same key: every
-        attention layer needs the same positions and mask, and on a GPU each op is a kernel
-        launch. A tree is reused across passes, so old keys are dropped."""
-        if key not in self._memo:
-            if len(self._memo) >= 8:
-                self._memo.clear()
-            self._memo[key] = make()
-        return self._memo[key]
-
-    def at(self, pos: mx.array, bound: int) -> "Tree":
-        """This tree placed at absolute position pos, a (1,) int32 device array the host may not
-        know yet (bound: the most it can be), with a memo of its own: a greedy pass queued behind
-        the previous one's acceptance."""
-        return Tree(self.parents, self.depths, self.mask, pos, bound)
-
-    def position(self, offset: int) -> tuple[mx.array, int]:
-        """Node 0's position as a device array and its host bound: `pos`, or else the cache offset."""
-        if self.pos is not None:
-            return self.pos, self.bound
-        return self.once(("pos", offset), lambda: mx.array([offset], mx.int32)), offset
-
-    def host_offset(self, offset: int) -> int | None:
-        """What memo keys of per-position arrays carry: the cache offset, unless `pos` fixes it."""
-        return None if self.pos is not None else offset
-
-    def node_depths(self) -> mx.array:
-        """`depths`, spelled out for a chain."""
-        return self.depths if self.depths is not None else self.once("depths", lambda: mx.arange(len(self), dtype=mx.int32))
-
-    def parent_array(self) -> mx.array:
-        return self.parents if isinstance(self.parents, mx.array) else mx.array(self.parents, mx.int32)
-
-    def visible(self) -> mx.array:
-        """The ancestor mask, the causal mask for a chain."""
-        return self.mask if self.mask is not None else mx.tril(mx.ones((len(self),) * 2, mx.bool_))
-
-
-def check_parents(parents: list[int]):
-    for t, p in enumerate(parents):
-        if not -1 <= p < t:
-            raise ValueError(f"node {t} has parent {p}: parents must precede their children")
-
-
-def tree_depths(parents: list[int]) -> np.ndarray:
-    check_parents(parents)
-    depth = np.zeros(len(parents), np.int32)
-    for t, p in enumerate(parents):
-        depth[t] = 0 if p < 0 else depth[p] + 1
-    return depth
-
-
-def ancestor_mask(parents: list[int]) -> np.ndarray:
-    """mask[t, s]: node s is node t or one of its ancestors."""
-    check_parents(parents)
-    mask = np.zeros((len(parents), len(parents)), bool)
-    for t, p in enumerate(parents):
-        if p >= 0:
-            mask[t] = mask[p]
-        mask[t, t] = True
-    return mask
+from mlx_hybrid.tree_mask import TreeMask
 
 
 def path_to(parents: list[int], node: int) -> list[int]:
@@ -167,7 +67,7 @@ class MedusaTree:
         # The largest rank used at each head: how many top-k tokens each head must supply.
         self.topk = [max(p[d] for p in paths if len(p) > d) + 1 for d in range(self.num_heads)]
         self.parents = [-1] + [node[p[:-1]] for p in paths]
-        self.tree = Tree.from_parents(self.parents)
+        self.tree = TreeMask.from_parents(self.parents)
         self.retrieve = retrieve_indices(self.parents)
 
     def __len__(self) -> int:
@@ -231,7 +131,7 @@ class PackedBeam:
     """
 
     tokens: mx.array
-    tree: Tree
+    tree: TreeMask
     node_of: mx.array
     count: mx.array
 
@@ -263,7 +163,7 @@ def pack_beams(beams: mx.array) -> PackedBeam:
         output_shapes=[(size,), (size,), (size,), (size, size), (width, length), ()],
         output_dtypes=[mx.int32, mx.int32, mx.int32, mx.bool_, mx.int32, mx.int32],
     )
-    return PackedBeam(tokens, Tree(parents, depths, mask), node_of, count)
+    return PackedBeam(tokens, TreeMask(parents, depths, mask), node_of, count)
 
 
 def pack_beams_ref(beams: mx.array) -> PackedBeam:
@@ -294,5 +194,5 @@ def pack_beams_ref(beams: mx.array) -> PackedBeam:
     at = (node_of[..., None] == mx.arange(size)).astype(mx.float32)  # (BW, BL, T)
     upto = mx.cumsum(at, axis=1)
     mask = (at.reshape(-1, size).T @ upto.reshape(-1, size) > 0) | mx.eye(size, dtype=mx.bool_)
-    tree = Tree(scatter(parents, -1), scatter(depths, 0), mask)
+    tree = TreeMask(scatter(parents, -1), scatter(depths, 0), mask)
     return PackedBeam(scatter(beams, 0), tree, node_of, new.sum())

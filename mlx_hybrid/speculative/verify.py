@@ -1,0 +1,81 @@
+"""The verification pass: the target over a candidate tree, as one compiled function where it can.
+
+A tree placed on the device (`TreeMask.at`: node 0's position is a device array) is run through
+`mx.compile`d function of arrays, traced once a shape and replayed: such passes repeat their
+shapes (the KV buffers grow every `cache.STEP` tokens), and a pass of a small model is bound by
+the host's time per op, which replaying cuts to MLX's own, without Python building a few hundred
+ops again. Inside the trace the model runs its ordinary forward pass with the tree mask, over
+caches rebuilt from the arrays handed in; what the layers hold for `commit` (the nodes' keys and
+values, or the state after each node) comes back out and is held by the real caches. The trace
+keeps the weights the model has at its first pass.
+"""
+
+import functools
+import weakref
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_hybrid.cache import KVCache
+from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.tree_mask import TreeMask
+
+_COMPILED: dict[tuple, tuple[weakref.ref, object]] = {}  # (id(model), cache kinds) -> (the model, its compiled pass)
+
+
+def verify(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -> tuple[mx.array, mx.array]:
+    """Logits and hidden states (1, nodes, .) of the target over the tree's tokens (1, nodes); the
+    caches hold the nodes until `commit`."""
+    if tree.pos is not None and compiles(model, cache):
+        return _compiled(model, tokens, cache, tree)
+    return model(tokens, cache, mask=tree, return_hidden=True)
+
+
+def compiles(model: nn.Module, cache: list) -> bool:
+    """Whether every layer can run inside the compiled pass: attention over a KV cache that holds
+    something and has no sliding window (whose buffer start moves), and Mamba or Mamba2 mixers on
+    their GPU kernel (`scan.ssm_step`, which returns every node's state as arrays; the reference
+    paths hold a function instead)."""
+    for layer, c in zip(model.layers, cache):
+        if isinstance(c, KVCache):
+            if c.window is not None or c.keys is None:
+                return False
+        elif c.arrays is None or kernel_backend() is None or getattr(layer, "kind", None) not in ("mamba", "mamba2"):
+            return False
+    return True
+
+
+def _compiled(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -> tuple[mx.array, mx.array]:
+    """`verify` through the compiled function: each layer hands in its two arrays (a KV cache's
+    buffers, a recurrent layer's window and state) and gets two back (the nodes' keys and values,
+    or the window and state after each node)."""
+    n = tokens.shape[1]
+    for c in cache:
+        if isinstance(c, KVCache):
+            c.make_room(n, tree.bound)  # the buffers may grow only out here, not inside the trace
+    kinds = tuple(type(c) for c in cache)
+    key = (id(model), kinds)
+    if key not in _COMPILED or _COMPILED[key][0]() is not model:
+        _COMPILED[key] = (weakref.ref(model), mx.compile(functools.partial(_pass, model, kinds)))
+        weakref.finalize(model, _COMPILED.pop, key, None)
+    arrays = [a for c in cache for a in c.state]
+    logits, h, *held = _COMPILED[key][1](tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *arrays)
+    for c, a, b in zip(cache, held[::2], held[1::2]):
+        if isinstance(c, KVCache):
+            c.hold(c.buffer_row(tree.pos), a, b)
+        else:
+            c.hold([a, b])
+    return logits, h
+
+
+def _pass(model: nn.Module, kinds: tuple, tokens, pos, depths, parents, visible, *arrays):
+    """The traced pass: logits, hidden states and each layer's two held arrays for tree nodes
+    tokens (1, n) with node 0 at pos, over caches whose arrays (two a layer, in turn) hold the
+    context before pos. Room for the nodes was made before (bound 0: no buffer grows here)."""
+    caches = []
+    for kind, a, b in zip(kinds, arrays[::2], arrays[1::2]):
+        c = kind()
+        c.state = [a, b]
+        caches.append(c)
+    logits, h = model(tokens, caches, mask=TreeMask(parents, depths, visible, pos, 0), return_hidden=True)
+    return logits, h, *[x for c in caches for x in c.held]
