@@ -2,7 +2,7 @@
 """Quality and cache memory at each DSLA conversion rate: perplexity ratio to the unconverted model.
 
 `run` takes a model directory with DSLA weights (`dsla_conversion` in config.json,
-mlx_hybrid/checkpoint_format.md) and, for k = 0 .. max_layers layers run as DSLA (least
+docs/formats/hybrid-checkpoint.md) and, for k = 0 .. max_layers layers run as DSLA (least
 sensitive first, as the runtime's policy converts them), measures perplexity on held-out text
 (token blocks of --seq-len, each from an empty cache) and the cache memory: measured after a
 block, and the policy's exact estimate at --context tokens. It also lists the conversion the

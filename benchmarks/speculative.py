@@ -12,7 +12,7 @@ decoding.
 "same tokens" checks each method's output against our plain greedy tokens.
 
 --model DIR takes a target with its `medusa/`, `redrafter/` and `draft/` subdirectories
-(mlx_hybrid/speculative/FORMAT.md; the trained ones come from train_cuda/). --synthetic NAME
+(docs/formats/speculative-heads.md; the trained ones come from train_cuda/). --synthetic NAME
 builds a random-weight target in a real shape, Medusa heads initialized as Medusa does before
 training (ResBlocks zero, LM heads copies of the target's), a random drafter, and a draft made of
 the target's first --draft-layers layers: acceptance is then low and the numbers show overhead,
@@ -56,7 +56,7 @@ CHAT_PROMPTS = BENCH_DIR / "chat_prompts.txt"
 
 def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
     """Medusa heads (Medusa's initialization), a random drafter and a layer-truncated draft, in
-    the FORMAT.md layout, beside a synthetic target."""
+    the docs/formats/speculative-heads.md layout, beside a synthetic target."""
     from safetensors.numpy import save_file
 
     import numpy as np

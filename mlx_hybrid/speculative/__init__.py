@@ -1,5 +1,5 @@
 """Speculative decoding: Medusa heads, a ReDrafter drafter or a draft model propose tokens, and the
-target verifies them in one forward pass (candidate trees: `tree`). Formats: FORMAT.md.
+target verifies them in one forward pass (candidate trees: `tree`). Formats: docs/formats/speculative-heads.md.
 
     from mlx_hybrid import load
     from mlx_hybrid.speculative import load_proposer, speculative_generate

@@ -31,7 +31,7 @@ from mlx_hybrid.speculative import accept
 from mlx_hybrid.speculative.tree import retrieve_indices
 
 METHODS = ("medusa", "redrafter", "draft")
-# Where each method's files are looked for inside the target model's directory (FORMAT.md).
+# Where each method's files are looked for inside the target model's directory (docs/formats/speculative-heads.md).
 SUBDIRS = {"medusa": "medusa", "redrafter": "redrafter", "draft": "draft"}
 
 
