@@ -38,7 +38,8 @@ import mlx.utils
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from run import SYNTHETIC, device_description, make_synthetic, slugify, update_readme  # noqa: E402
+from index import render_file  # noqa: E402
+from run import SYNTHETIC, device_description, make_synthetic, slugify  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
@@ -269,25 +270,13 @@ def main(argv=None) -> int:
         rows.append(dict(method=name, tps=tps, speedup=speedup, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
     command = "python benchmarks/speculative.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
-                  dtype=target_dtype(ours), args={k: str(v) for k, v in vars(args).items()},
+                  dtype=target_dtype(ours), prompts=prompt_desc, args={k: str(v) for k, v in vars(args).items()},
                   rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     slug = slugify(f"speculative {args.synthetic or args.model.name} {'' if args.synthetic else args.prompt_set} {label}")
     out_dir = BENCH_DIR / "results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
 
-    lines = [f"<!-- results:{slug} -->", f"### Speculative decoding: {result['model']}, {result['dtype']}, {label}", "",
-             f"`{command}` (greedy, {args.gen_tokens} tokens after {prompt_desc}, median of {args.trials} trials, "
-             "the runners in turn on each prompt; speedup: the median of each trial's ratio)", "",
-             *([] if "mlx-lm plain" in run else ["mlx-lm cannot load this model (a hybrid: it has no Mamba/DSLA layers), so it has no rows.", ""]),
-             "| method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | ms / target pass | same tokens |",
-             "| --- | ---: | ---: | ---: | ---: | :---: |"]
-    for r in rows:
-        ms = 1000 * r["tokens_per_step"] / r["tps"]
-        lines.append(f"| {r['method']} | {r['tps']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {ms:.2f} | {'yes' if r['same'] else 'no'} |")
-    lines += ["", f"![tokens/s]({'results/' + slug + '.png'})", f"<!-- /results:{slug} -->"]
-    section = "\n".join(lines)
-    print(section)
     try:
         import matplotlib
 
@@ -302,7 +291,7 @@ def main(argv=None) -> int:
         fig.savefig(out_dir / f"{slug}.png", dpi=120)
     except ImportError:
         pass
-    update_readme(BENCH_DIR / "README.md", slug, section)
+    print(render_file(out_dir / f"{slug}.json"))
     return 0
 
 
