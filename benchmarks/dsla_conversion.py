@@ -22,11 +22,11 @@ weights, which `run` puts above its results.
 Held-out text: the Lee corpus shipped in gensim's PyPI wheel (train_cuda/scripts/fetch_corpus.py
 fetches it: train.txt for calibration, heldout.txt for perplexity).
 
-    python train_cuda/scripts/fetch_corpus.py /tmp/lee
-    python benchmarks/dsla_conversion.py build --source MODEL_DIR --calibration /tmp/lee/train.txt --out /tmp/smol-dsla
-    python benchmarks/dsla_conversion.py run --model /tmp/smol-dsla --text /tmp/lee/heldout.txt
-    python train_cuda/scripts/real_dsla.py --base SmolLM2-135M-Instruct.Q4_1.gguf --corpus /tmp/lee --out /tmp/dsla
-    python benchmarks/dsla_conversion.py run --model /tmp/dsla/adaptive --text /tmp/lee/heldout.txt --label "..."
+    python train_cuda/scripts/fetch_corpus.py corpus
+    python benchmarks/dsla_conversion.py build --source MODEL_DIR --calibration corpus/train.txt --out runs/smol-dsla
+    python benchmarks/dsla_conversion.py run --model runs/smol-dsla --text corpus/heldout.txt
+    python train_cuda/scripts/real_dsla.py --base SmolLM2-135M-Instruct.Q4_1.gguf --corpus corpus --out runs/dsla
+    python benchmarks/dsla_conversion.py run --model runs/dsla/adaptive --text corpus/heldout.txt --label "..."
 """
 
 from __future__ import annotations

@@ -209,6 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-layers", type=int, default=2, help="synthetic: layers of the truncated draft")
     p.add_argument("--work-dir", type=Path, default=BENCH_DIR / "results" / "models")
     p.add_argument("--label", default=None)
+    p.add_argument("--results", type=Path, default=BENCH_DIR / "results", help="where the JSON and plot go")
     args = p.parse_args(argv)
     try:
         beams = [tuple(int(x) for x in b.lower().split("x")) for b in args.beam.split(",")]
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
             reference.setdefault(i, fn(prompt, args.gen_tokens)[0])
     for _ in range(args.trials):
         # Prompt by prompt, every runner in turn: on a host whose speed drifts from second to
-        # second (the lent H100's), runners compared within a trial then ran under the same drift.
+        # second (a GPU's host), runners compared within a trial then ran under the same drift.
         results = {name: [] for name in run}
         for prompt in prompts:
             for name, fn in run.items():
@@ -273,8 +274,8 @@ def main(argv=None) -> int:
                   dtype=target_dtype(ours), prompts=prompt_desc, args={k: str(v) for k, v in vars(args).items()},
                   rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     slug = slugify(f"speculative {args.synthetic or args.model.name} {'' if args.synthetic else args.prompt_set} {label}")
-    out_dir = BENCH_DIR / "results"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = args.results
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
 
     try:
