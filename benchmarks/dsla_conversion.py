@@ -2,7 +2,7 @@
 """Quality and cache memory at each DSLA conversion rate: perplexity ratio to the unconverted model.
 
 `run` takes a model directory with DSLA weights (`dsla_conversion` in config.json,
-mlx_hybrid/checkpoint_format.md) and, for k = 0 .. max_layers layers run as DSLA (least
+docs/formats/hybrid-checkpoint.md) and, for k = 0 .. max_layers layers run as DSLA (least
 sensitive first, as the runtime's policy converts them), measures perplexity on held-out text
 (token blocks of --seq-len, each from an empty cache) and the cache memory: measured after a
 block, and the policy's exact estimate at --context tokens. It also lists the conversion the
@@ -22,11 +22,11 @@ weights, which `run` puts above its results.
 Held-out text: the Lee corpus shipped in gensim's PyPI wheel (train_cuda/scripts/fetch_corpus.py
 fetches it: train.txt for calibration, heldout.txt for perplexity).
 
-    python train_cuda/scripts/fetch_corpus.py /tmp/lee
-    python benchmarks/dsla_conversion.py build --source MODEL_DIR --calibration /tmp/lee/train.txt --out /tmp/smol-dsla
-    python benchmarks/dsla_conversion.py run --model /tmp/smol-dsla --text /tmp/lee/heldout.txt
-    python train_cuda/scripts/real_dsla.py --base SmolLM2-135M-Instruct.Q4_1.gguf --corpus /tmp/lee --out /tmp/dsla
-    python benchmarks/dsla_conversion.py run --model /tmp/dsla/adaptive --text /tmp/lee/heldout.txt --label "..."
+    python train_cuda/scripts/fetch_corpus.py corpus
+    python benchmarks/dsla_conversion.py build --source MODEL_DIR --calibration corpus/train.txt --out runs/smol-dsla
+    python benchmarks/dsla_conversion.py run --model runs/smol-dsla --text corpus/heldout.txt
+    python train_cuda/scripts/real_dsla.py --base SmolLM2-135M-Instruct.Q4_1.gguf --corpus corpus --out runs/dsla
+    python benchmarks/dsla_conversion.py run --model runs/dsla/adaptive --text corpus/heldout.txt --label "..."
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import math
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,7 +45,8 @@ import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from run import device_description, slugify, update_readme  # noqa: E402
+from index import render_file  # noqa: E402
+from run import device_description, slugify  # noqa: E402
 
 from mlx_hybrid.adaptive import ConversionPolicy, cache_nbytes, format_bytes, parse_budget, request_chunks  # noqa: E402
 from mlx_hybrid.errors import HybridError  # noqa: E402
@@ -190,15 +192,14 @@ def run(a) -> int:
     command = "python benchmarks/dsla_conversion.py run " + shlex.join(sys.argv[2:])
     built = a.model / "entropy.json"  # written by `build` or real_dsla.py
     build_command = json.loads(built.read_text()).get("command") if built.is_file() else None
-    result = dict(name=name, label=label, device=device, command=command, build=build_command, text=str(a.text), seq_len=a.seq_len,
+    result = dict(date=time.strftime("%Y-%m-%d"), name=name, label=label, device=device, command=command, build=build_command,
+                  note=a.note, text=str(a.text), seq_len=a.seq_len,
                   blocks=len(data), tokens=sum(len(b) - 1 for b in data), context=a.context, layers=n_layers,
                   order=policy.order, weights_bytes=policy.weights_bytes, budget=policy.budget, rows=rows, policy=table)
     out.write_text(json.dumps(result, indent=2))
     png = out.with_suffix(".png")
     plot(result, png)
-    if a.results.resolve() == (BENCH_DIR / "results").resolve():
-        update_readme(BENCH_DIR / "README.md", slug, section(result, slug, png, a.note))
-    print(f"wrote {out} and {png}")
+    print(render_file(out))
     return 0
 
 
@@ -225,38 +226,6 @@ def plot(result: dict, png: Path):
     fig.savefig(png, dpi=110)
 
 
-def section(result: dict, slug: str, png: Path, note: str | None) -> str:
-    lines = [
-        f"<!-- results:{slug} -->",
-        f"### DSLA conversion: {result['name']}, {result['label']}",
-        "",
-        *([f"`{result['build']}`", ""] if result.get("build") else []),
-        f"`{result['command']}`",
-        "",
-        f"Perplexity on {result['tokens']} held-out tokens ({result['blocks']} blocks of {result['seq_len']}, "
-        f"`{Path(result['text']).name}`), ratio to the unconverted model; cache memory per sequence measured "
-        f"after a block and the policy's exact estimate at {result['context']} tokens. Conversion order "
-        f"(least sensitive first): {result['order']}.",
-        "",
-        *( [note, ""] if note else [] ),
-        "| DSLA layers | rate | perplexity | ratio | cache after a block | cache at " + f"{result['context']} |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in result["rows"]:
-        lines.append(f"| {r['dsla_layers']} | {r['rate']:.0%} | {r['ppl']:.3f} | {r['ratio']:.3f}× | "
-                     f"{format_bytes(r['cache_bytes_measured'])} | {format_bytes(r['cache_bytes_at_context'])} |")
-    lines += ["", f"Conversion the policy picks (prompt + 256 new tokens) under a budget of {format_bytes(result['budget'])} "
-              f"(weights {format_bytes(result['weights_bytes'])}):", "",
-              "| prompt | DSLA layers | rate | cache |", "| ---: | ---: | ---: | ---: |"]
-    for t in result["policy"]:
-        if t["dsla_layers"] is None:
-            lines.append(f"| {t['prompt']} | does not fit | | |")
-        else:
-            lines.append(f"| {t['prompt']} | {t['dsla_layers']} | {t['rate']:.0%} | {format_bytes(t['cache_bytes'])} |")
-    lines += ["", f"![DSLA conversion](results/{png.name})", f"<!-- /results:{slug} -->"]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -278,9 +247,8 @@ def main(argv=None) -> int:
     r.add_argument("--budget", default=None, help="for the policy table; default weights + unconverted cache at 2304 tokens")
     r.add_argument("--name", default=None)
     r.add_argument("--label", default=None)
-    r.add_argument("--note", default=None, help="a line for the README section")
-    r.add_argument("--results", type=Path, default=BENCH_DIR / "results",
-                   help="where the JSON and plot go; benchmarks/README.md gets a section only for the default")
+    r.add_argument("--note", default=None, help="a line shown above the result's table")
+    r.add_argument("--results", type=Path, default=BENCH_DIR / "results", help="where the JSON and plot go")
     a = p.parse_args(argv)
     try:
         return build(a) if a.command == "build" else run(a)

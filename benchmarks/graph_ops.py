@@ -3,7 +3,7 @@
 on any machine.
 
 On a GPU a small model's pass costs per operation, not per token: every MLX op costs 4-20 us of
-host time on the H100 whatever its size (benchmarks/README.md), so a pass can be no faster than
+host time on the H100 whatever its size (benchmarks/results/pass-cost-ops-nvidia-h100.json), so a pass can be no faster than
 its op count allows, and speculation pays only when a pass has few more ops than a decode step.
 This builds the graphs of a plain decode step (forward, log-probabilities, argmax) and of each
 part of a greedy pass (the draft, the verification forward, the acceptance, and the cache moves to
@@ -38,7 +38,8 @@ import mlx.nn as nn
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import make_synthetic, update_readme  # noqa: E402
+from index import render_file  # noqa: E402
+from run import make_synthetic  # noqa: E402
 from speculative import write_heads  # noqa: E402
 
 from mlx_hybrid.cache import accept_on_device  # noqa: E402
@@ -143,30 +144,9 @@ def measure(model, heads_dir: Path, methods: list[str]) -> dict:
     return out
 
 
-def table(name: str, counts: dict) -> str:
-    step_k, step_v = counts["plain step"]
-    lines = [
-        f"**{name}**: plain decode step {step_k} kernels + {step_v} views.",
-        "",
-        "| method | nodes | draft | verification forward | acceptance | cache moves | pass | pass / step |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for method, parts in counts.items():
-        if method == "plain step":
-            continue
-        cells = [parts[p] for p in ("draft", "verification forward", "acceptance", "cache moves")]
-        pk, pv = (sum(c[i] for c in cells) for i in (0, 1))
-        lines.append(
-            f"| {method} | {parts['nodes']} | " + " | ".join(f"{k} + {v}" for k, v in cells)
-            + f" | {pk} + {pv} | {pk / step_k:.2f}x ({(pk + pv) / (step_k + step_v):.2f}x) |"
-        )
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "graph-ops.json")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     parser.add_argument("--model", type=Path, help="count this model directory (with its medusa/ and redrafter/), print JSON only")
     args = parser.parse_args(argv)
 
@@ -187,18 +167,7 @@ def main(argv=None) -> int:
     results["default hybrid (8 layers, 4 Mamba2), 4-bit"] = measure(default, default_model_path(), ["redrafter"])
 
     args.out.write_text(json.dumps(dict(results=results, mlx=mx.__version__, date=time.strftime("%Y-%m-%d")), indent=1) + "\n")
-    command = "python benchmarks/graph_ops.py"
-    section = "\n\n".join(
-        [f"<!-- results:graph-ops -->\n### Operations per pass, as a GPU runs them ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__})",
-         f"`{command}` (counts, not timings: any machine gives the same; [results/{args.out.name}](results/{args.out.name}))"]
-        + [table(name, counts) for name, counts in results.items()]
-        + ["Each cell is kernels + views. ReDrafter: the drafter's default beam; Medusa: its default tree (untrained heads: the "
-           "counts do not depend on the weights). \"pass / step\": the pass's kernels over the step's (kernels and views "
-           "together in brackets); a greedy pass beats plain decoding when it yields more tokens than this ratio, if every op "
-           "costs the same.\n<!-- /results:graph-ops -->"]
-    )
-    update_readme(args.readme, "graph-ops", section)
-    print(section)
+    print(render_file(args.out))
     return 0
 
 

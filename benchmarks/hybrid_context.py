@@ -31,7 +31,8 @@ import mlx.utils
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from run import SYNTHETIC, device_description, slugify, update_readme  # noqa: E402
+from index import render_file  # noqa: E402
+from run import SYNTHETIC, device_description, slugify  # noqa: E402
 
 from mlx_hybrid.models import hybrid, llama  # noqa: E402
 
@@ -187,13 +188,12 @@ def main(argv=None) -> int:
     if "--out" in args:  # where this run wrote its files is not part of how to reproduce it
         del args[args.index("--out") : args.index("--out") + 2]
     command = "python benchmarks/hybrid_context.py " + shlex.join(args)
-    result = dict(shape=a.shape, dtype=dtype_name, device=device, label=label, command=command.strip(),
-                  steps=a.steps, config=cfg, rows=rows)
+    result = dict(date=time.strftime("%Y-%m-%d"), shape=a.shape, dtype=dtype_name, device=device, label=label,
+                  command=command.strip(), steps=a.steps, config=cfg, rows=rows)
     out.write_text(json.dumps(result, indent=2))
     png = out.with_suffix(".png")
     plot(result, png)
-    update_readme(BENCH_DIR / "README.md", slug, section(result, slug, png))
-    print(f"wrote {out} and {png}")
+    print(render_file(out))
     return 0
 
 
@@ -219,34 +219,6 @@ def plot(result: dict, png: Path):
     fig.suptitle(f"{result['shape']} shape, {result['dtype']}, {result['label']}")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-
-
-def section(result: dict, slug: str, png: Path) -> str:
-    rows = result["rows"]
-    names = list(dict.fromkeys(r["model"] for r in rows))
-    contexts = sorted({r["context"] for r in rows})
-    get = {(r["model"], r["context"]): r for r in rows}
-    lines = [
-        f"<!-- results:{slug} -->",
-        f"### Decode vs context: {result['shape']} shape, {result['dtype']}, {result['label']}",
-        "",
-        f"`{result['command']}` (per-token time of {result['steps']} pipelined steps, median of 5 interleaved rounds; random weights)",
-        "",
-        "ms per decoded token (growth from the shortest to the longest context in the last column):",
-        "",
-        "| model | " + " | ".join(f"{c // 1024}k" for c in contexts) + " | growth |",
-        "| --- | " + " | ".join("---:" for _ in contexts) + " | ---: |",
-    ]
-    for n in names:
-        ms = [get[(n, c)]["ms_per_token"] for c in contexts]
-        lines.append(f"| {n} | " + " | ".join(f"{m:.2f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f}× |")
-    lines += ["", "Cache memory per sequence (MiB):", "",
-              "| model | " + " | ".join(f"{c // 1024}k" for c in contexts) + " |",
-              "| --- | " + " | ".join("---:" for _ in contexts) + " |"]
-    for n in names:
-        lines.append(f"| {n} | " + " | ".join(f"{get[(n, c)]['cache_bytes'] / 2**20:.1f}" for c in contexts) + " |")
-    lines += ["", f"![decode vs context](results/{png.name})", f"<!-- /results:{slug} -->"]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

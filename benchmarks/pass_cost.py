@@ -21,7 +21,7 @@ decode step and passes in 5 rounds, each split into the host's building, dispatc
     python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes | --split]
     python benchmarks/pass_cost.py mlx_hybrid/data/default
 """
-import sys, time, json
+import argparse, sys, time, json
 from pathlib import Path
 from statistics import median
 import mlx.core as mx
@@ -39,14 +39,19 @@ from mlx_hybrid.models import linear, llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 
-passes_only = "--passes" in sys.argv
-split_only = "--split" in sys.argv
-argv = [a for a in sys.argv if a not in ("--passes", "--split")]
-d = synthetic_target(Path(argv[1]))  # made only where there is no model yet
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("model", type=Path, help="a model directory with its heads, or a new one for random weights")
+parser.add_argument("bits", type=int, nargs="?", choices=(4, 8), help="quantize the target to these bits")
+only = parser.add_mutually_exclusive_group()
+only.add_argument("--passes", action="store_true", help="only the pipelined step and passes, each variant of the pass")
+only.add_argument("--split", action="store_true", help="only the pipelined step and passes, split into build, dispatch, wait")
+args = parser.parse_args()
+passes_only, split_only = args.passes, args.split
+d = synthetic_target(args.model)  # made only where there is no model yet
 model = load_model(d)
 methods = [m for m in ("medusa", "redrafter") if (d / m).is_dir()]
-if len(argv) > 2:  # a quantized target, as `hybrid convert` writes by default
-    nn.quantize(model, 64, int(argv[2]))
+if args.bits:  # a quantized target, as `hybrid convert` writes by default
+    nn.quantize(model, 64, args.bits)
 rng = np.random.default_rng(0)
 V = model.args.vocab_size
 

@@ -10,8 +10,8 @@ warm-up each, the timed trials are interleaved (ours, mlx-lm, ours, mlx-lm, ...)
     python benchmarks/run.py --synthetic smollm2-135m
     python benchmarks/run.py --model path/to/hf-model --variants fp16,4bit --label "NVIDIA H100, MLX CUDA backend"
 
-Writes --out (JSON with every raw number), a PNG next to it, prints a table and regenerates this
-label's section in benchmarks/README.md.
+Writes --out (JSON with every raw number) and a PNG next to it, and prints a table;
+`python benchmarks/index.py` then regenerates benchmarks/README.md's tables from the result files.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from statistics import median
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-README = BENCH_DIR / "README.md"
 RUNTIMES = ("mlx_hybrid", "mlx_lm")
 RUNTIME_NAMES = {"mlx_hybrid": "mlx-hybrid", "mlx_lm": "mlx-lm"}
 VARIANTS = ("fp16", "4bit")
@@ -132,10 +131,9 @@ def parse_args(argv):
         help="compute dtype forced on both runtimes (default: each runtime's own choice; mlx-hybrid upcasts to float32 on the CPU, mlx-lm keeps the stored dtype)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt and of synthetic weights (default 0)")
-    p.add_argument("--out", metavar="FILE.json", help="results JSON (default benchmarks/results/<model>-<label>.json); the PNG goes next to it")
+    p.add_argument("--out", metavar="FILE.json", help="results JSON (default benchmarks/results/decode-<model>-<label>.json); the PNG goes next to it")
     p.add_argument("--label", help="where it ran, e.g. 'NVIDIA H100, MLX CUDA backend' (default: derived from the device)")
     p.add_argument("--work-dir", metavar="DIR", help="keep the synthetic/converted models here and reuse them next time (default: a temp dir, deleted)")
-    p.add_argument("--no-readme", action="store_true", help="do not touch benchmarks/README.md")
     args = p.parse_args(argv)
     if args.out is not None and not args.out.endswith(".json"):
         raise BenchError(f"--out must name a .json file, got '{args.out}'")
@@ -445,110 +443,6 @@ def fmt_ratio(r: float) -> str:
     return f"{r:.2f}×"
 
 
-def markdown_section(label: str, slug: str, results: list[dict], readme_dir: Path) -> str:
-    lines = [
-        f"<!-- results:{slug} -->",
-        f"### {label}",
-        "",
-        "| model | variant | prefill tok/s mlx-hybrid | prefill tok/s mlx-lm | prefill ratio | decode tok/s mlx-hybrid | decode tok/s mlx-lm | decode ratio | peak GB mlx-hybrid | peak GB mlx-lm | same tokens | max Δ logprob | float dtype mlx-hybrid / mlx-lm |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: | ---: | --- |",
-    ]
-    for res in results:
-        for variant, v in res["variants"].items():
-            ours, theirs = v["runtimes"]["mlx_hybrid"]["median"], v["runtimes"]["mlx_lm"]["median"]
-            match = "yes" if v["tokens_match"] else f"no (from token {v['first_mismatch']})"
-            lines.append(
-                f"| {res['model']['name']} | {variant} | {ours['prefill_tps']:.1f} | {theirs['prefill_tps']:.1f} | "
-                f"{fmt_ratio(v['ratios']['prefill'])} | {ours['decode_tps']:.1f} | {theirs['decode_tps']:.1f} | "
-                f"{fmt_ratio(v['ratios']['decode'])} | {ours['peak_memory_gb']:.3f} | {theirs['peak_memory_gb']:.3f} | {match} | {max_diff(v):.2g} | {dtypes(v)} |"
-            )
-    lines.append("")
-    lines.append(
-        "Ratios are mlx-hybrid / mlx-lm (above 1 = mlx-hybrid faster); medians of the trials. "
-        "\"max Δ logprob\": the largest difference between the two runtimes' log-probabilities, over the "
-        "vocabulary, after the prompt and at the last generated token."
-    )
-    lines.append("")
-    for res in results:
-        s = res["settings"]
-        lines.append(
-            f"- **{res['model']['name']}**: {s['prompt_tokens']} prompt tokens, {s['gen_tokens']} generated, "
-            f"median of {s['trials']} interleaved trials, prefill step {s['prefill_step_size']}, "
-            f"compute dtype: {s.get('dtype', 'each runtime' + chr(39) + 's default')}; "
-            f"mlx {res['versions']['mlx']}, mlx-lm {res['versions']['mlx_lm']}, device `{res['device']['mlx_device']}`, "
-            f"{res['timestamp'][:10]}."
-        )
-        lines.append(f"  Command: `{res['command']}`")
-        png = Path(res["files"]["png"])
-        rel = os.path.relpath(png, readme_dir) if png.is_absolute() else str(png)
-        lines.append(f"  Plot: [{png.name}]({rel})")
-    lines.append(f"<!-- /results:{slug} -->")
-    return "\n".join(lines)
-
-
-README_INTRO = """# Benchmarks: mlx-hybrid vs mlx-lm
-
-`benchmarks/run.py` measures, in one process and on the same backend, for this runtime
-(mlx-hybrid) and for mlx-lm:
-
-- **prefill tokens/s**: prompt tokens / time to the first generated token;
-- **decode tokens/s**: (generated tokens - 1) / time from the first to the last generated token;
-- **peak memory**: the model's resident weights plus the peak extra memory of one generation
-  (`mx.reset_peak_memory()` / `mx.get_peak_memory()` around the run, minus what was resident
-  before it; both models are loaded at once, so the raw process peak would count both).
-
-How: both runtimes load the **same files**, made from one float checkpoint by `mlx_lm.convert`
-(float16, and 4-bit affine with group size 64). The prompt is fixed-seed random token ids;
-decoding is greedy and runs exactly `--gen-tokens` tokens (EOS ignored: each runtime's
-`generate_step` generator is driven directly), with the same prefill chunk size for both. Each
-runtime is warmed up once, then the trials are interleaved (mlx-hybrid, mlx-lm, mlx-hybrid, ...)
-so that drift hits both alike; the tables show medians, the JSON files under `results/` hold every
-trial. "same tokens" checks that both runtimes produced the same greedy tokens (a cheap
-correctness guard; with random weights near-ties can make fp16 runs diverge late).
-
-`--synthetic NAME` builds random weights (seed 0, normal std 0.02) in a real model's shape with
-transformers: `smollm2-135m` or `llama-3.2-1b`. `--model DIR` takes a float Hugging Face
-checkpoint (converted as above) or an MLX-quantized one (benchmarked as is).
-
-Reproduce (a section per `--label`, default derived from the device, is regenerated below):
-
-```bash
-. .venv/bin/activate
-python benchmarks/run.py --synthetic smollm2-135m                 # defaults: 512 prompt, 128 generated, 3 trials, fp16,4bit
-python benchmarks/run.py --synthetic llama-3.2-1b --label "NVIDIA H100, MLX CUDA backend"
-python benchmarks/run.py --model path/to/Llama-3.2-1B-Instruct --prompt-tokens 1024 --gen-tokens 256
-python benchmarks/run.py --help
-```
-
-## Results
-"""
-
-
-def update_readme(readme: Path, slug: str, section: str):
-    text = readme.read_text() if readme.is_file() else README_INTRO
-    start, end = f"<!-- results:{slug} -->", f"<!-- /results:{slug} -->"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    readme.write_text(text)
-
-
-def results_for_label(out_dir: Path, slug: str, current: dict) -> list[dict]:
-    """The newest result per model among out_dir's JSON files with this label (the current run included)."""
-    latest: dict[str, dict] = {}
-    for file in sorted(out_dir.glob("*.json")):
-        with contextlib.suppress(Exception):
-            res = json.loads(file.read_text())
-            if res.get("label_slug") == slug and "variants" in res:
-                name = res["model"]["name"]
-                if name not in latest or res["timestamp"] > latest[name]["timestamp"]:
-                    latest[name] = res
-    latest[current["model"]["name"]] = current
-    return [latest[k] for k in sorted(latest)]
-
-
 def plot(result: dict, png: Path):
     import matplotlib
 
@@ -649,7 +543,7 @@ def main(argv=None) -> int:
     device = device_description()
     label = args.label or device["default_label"]
     slug = slugify(label)
-    out = Path(args.out) if args.out else BENCH_DIR / "results" / f"{slugify(model_name)}-{slug}.json"
+    out = Path(args.out) if args.out else BENCH_DIR / "results" / f"decode-{slugify(model_name)}-{slug}.json"
     out = out.resolve()
     png = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -778,11 +672,7 @@ def main(argv=None) -> int:
     for variant, v in result["variants"].items():
         if not v["tokens_match"]:
             console.print(f"[yellow]{variant}: the runtimes' greedy tokens differ from token {v['first_mismatch']} on")
-    if not args.no_readme:
-        section = markdown_section(label, slug, results_for_label(out.parent, slug, result), README.parent)
-        update_readme(README, slug, section)
-        console.print(f"updated {README} (section {slug})")
-    console.print(f"wrote {out} and {png}")
+    console.print(f"wrote {out} and {png}; python benchmarks/index.py puts them in benchmarks/README.md")
     return 0
 
 

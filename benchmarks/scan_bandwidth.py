@@ -19,7 +19,7 @@ reference, and the script says so (and skips the states above --max-state-mb, de
     python benchmarks/scan_bandwidth.py
     python benchmarks/scan_bandwidth.py --reps 5 --max-state-mb 16
 
-Writes benchmarks/results/scan-bandwidth-<device>.json and prints a markdown table.
+Writes benchmarks/results/scan-bandwidth-<device>.json and prints its table.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.scan import selective_scan
+from index import render_file
 from run import device_description, slugify
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -159,21 +160,13 @@ def main():
         base = next(q for q in rows if q["L"] == 1 and all(q[k] == r[k] for k in ("batch", "channels", "n", "na")))
         r["vs_L1"] = r["time_s"] / base["time_s"]
 
-    print("| batch | channels | N | NA | L | saved | state MB | MB moved | µs / call | floor µs | time / floor "
-          "| vs L=1 | MLX `state * 0.5` µs |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['batch']} | {r['channels']} | {r['n']} | {r['na']} | {r['L']} | {len(r['save'])} | "
-              f"{r['state_mb']:.0f} | {r['bytes_moved'] / MB:.1f} | {r['time_s'] * 1e6:.1f} | "
-              f"{r['floor_s'] * 1e6:.1f} | {r['ratio']:.2f}× | {r['vs_L1']:.2f}× | {r['mlx_state_op_s'] * 1e6:.1f} |")
-
     out = args.out or RESULTS / f"scan-bandwidth-{slugify(device['name'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"), device=device, mlx=mx.__version__,
         timed=timed, input_dtype=args.dtype, reps=args.reps, bandwidth=bw, rows=rows,
     ), indent=1) + "\n")
-    print(f"\nwrote {out}")
+    print(render_file(out))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ decoding.
 "same tokens" checks each method's output against our plain greedy tokens.
 
 --model DIR takes a target with its `medusa/`, `redrafter/` and `draft/` subdirectories
-(mlx_hybrid/speculative/FORMAT.md; the trained ones come from train_cuda/). --synthetic NAME
+(docs/formats/speculative-heads.md; the trained ones come from train_cuda/). --synthetic NAME
 builds a random-weight target in a real shape, Medusa heads initialized as Medusa does before
 training (ResBlocks zero, LM heads copies of the target's), a random drafter, and a draft made of
 the target's first --draft-layers layers: acceptance is then low and the numbers show overhead,
@@ -38,7 +38,8 @@ import mlx.utils
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from run import SYNTHETIC, device_description, make_synthetic, slugify, update_readme  # noqa: E402
+from index import render_file  # noqa: E402
+from run import SYNTHETIC, device_description, make_synthetic, slugify  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
 from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
@@ -56,7 +57,7 @@ CHAT_PROMPTS = BENCH_DIR / "chat_prompts.txt"
 
 def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
     """Medusa heads (Medusa's initialization), a random drafter and a layer-truncated draft, in
-    the FORMAT.md layout, beside a synthetic target."""
+    the docs/formats/speculative-heads.md layout, beside a synthetic target."""
     from safetensors.numpy import save_file
 
     import numpy as np
@@ -208,6 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-layers", type=int, default=2, help="synthetic: layers of the truncated draft")
     p.add_argument("--work-dir", type=Path, default=BENCH_DIR / "results" / "models")
     p.add_argument("--label", default=None)
+    p.add_argument("--results", type=Path, default=BENCH_DIR / "results", help="where the JSON and plot go")
     args = p.parse_args(argv)
     try:
         beams = [tuple(int(x) for x in b.lower().split("x")) for b in args.beam.split(",")]
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
             reference.setdefault(i, fn(prompt, args.gen_tokens)[0])
     for _ in range(args.trials):
         # Prompt by prompt, every runner in turn: on a host whose speed drifts from second to
-        # second (the lent H100's), runners compared within a trial then ran under the same drift.
+        # second (a GPU's host), runners compared within a trial then ran under the same drift.
         results = {name: [] for name in run}
         for prompt in prompts:
             for name, fn in run.items():
@@ -269,25 +271,13 @@ def main(argv=None) -> int:
         rows.append(dict(method=name, tps=tps, speedup=speedup, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
     command = "python benchmarks/speculative.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
-                  dtype=target_dtype(ours), args={k: str(v) for k, v in vars(args).items()},
+                  dtype=target_dtype(ours), prompts=prompt_desc, args={k: str(v) for k, v in vars(args).items()},
                   rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     slug = slugify(f"speculative {args.synthetic or args.model.name} {'' if args.synthetic else args.prompt_set} {label}")
-    out_dir = BENCH_DIR / "results"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = args.results
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
 
-    lines = [f"<!-- results:{slug} -->", f"### Speculative decoding: {result['model']}, {result['dtype']}, {label}", "",
-             f"`{command}` (greedy, {args.gen_tokens} tokens after {prompt_desc}, median of {args.trials} trials, "
-             "the runners in turn on each prompt; speedup: the median of each trial's ratio)", "",
-             *([] if "mlx-lm plain" in run else ["mlx-lm cannot load this model (a hybrid: it has no Mamba/DSLA layers), so it has no rows.", ""]),
-             "| method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | ms / target pass | same tokens |",
-             "| --- | ---: | ---: | ---: | ---: | :---: |"]
-    for r in rows:
-        ms = 1000 * r["tokens_per_step"] / r["tps"]
-        lines.append(f"| {r['method']} | {r['tps']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {ms:.2f} | {'yes' if r['same'] else 'no'} |")
-    lines += ["", f"![tokens/s]({'results/' + slug + '.png'})", f"<!-- /results:{slug} -->"]
-    section = "\n".join(lines)
-    print(section)
     try:
         import matplotlib
 
@@ -302,7 +292,7 @@ def main(argv=None) -> int:
         fig.savefig(out_dir / f"{slug}.png", dpi=120)
     except ImportError:
         pass
-    update_readme(BENCH_DIR / "README.md", slug, section)
+    print(render_file(out_dir / f"{slug}.json"))
     return 0
 
 

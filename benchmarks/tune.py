@@ -26,7 +26,8 @@ from mlx.utils import tree_map
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from run import device_description, slugify, update_readme  # noqa: E402
+from index import render_file  # noqa: E402
+from run import device_description, slugify  # noqa: E402
 
 from mlx_hybrid.loader import load  # noqa: E402
 from mlx_hybrid.profiles import Settings, load_profile, profile_path, save_profile  # noqa: E402
@@ -137,19 +138,7 @@ def main(argv=None) -> int:
     result = dict(label=label, device=device, command=command, profile=str(path), profile_status=status, choice=tuned_name,
                   rows=rows, trials=trials, faster_than_tuned=beaten, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
-    lines = [f"<!-- results:{slug} -->", f"### Tuned speculation: {args.model.name}, {label}", "",
-             f"`{command}` (greedy, {args.new_tokens} tokens for each of {len(prompts)} held-out prompts, median of {args.trials}; "
-             f"profile {status}; its choice: **{tuned_name}**)", "",
-             "| runner | decode tok/s | vs plain | tokens / target pass |", "| --- | ---: | ---: | ---: |"]
-    for r in rows:
-        name = f"**{r['runner']}** (profile's choice)" if r["runner"] == tuned_name else r["runner"]
-        lines.append(f"| {name} | {r['tps']:.1f} | {r['vs_plain']:.2f}x | {r['tokens_per_step']:.2f} |")
-    verdict = "the profile's choice is the fastest runner" if not beaten else f"faster than the profile's choice: {', '.join(beaten)}"
-    lines += ["", f"Result: {verdict}.", "", f"![tune curves](results/{slugify('tune profile ' + args.model.name + ' ' + label)}.png)",
-              f"<!-- /results:{slug} -->"]
-    section = "\n".join(lines)
-    print(section)
-    update_readme(BENCH_DIR / "README.md", slug, section)
+    print(render_file(out_dir / f"{slug}.json"))
     return 0
 
 

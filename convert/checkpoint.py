@@ -228,7 +228,7 @@ def torch_state(checkpoint: Checkpoint) -> dict:
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor the config implies, in the Hugging Face / MambaInLlama layout (see checkpoint_format.md)."""
+    """Every tensor the config implies, in the Hugging Face / MambaInLlama layout (see docs/formats/hybrid-checkpoint.md)."""
     arch = hybrid if config.get("model_type") == "llama_hybrid" else llama
     try:
         a = arch.ModelArgs.from_dict(config)

@@ -1,6 +1,6 @@
 """Speculative-decoding heads in their released PyTorch layouts -> `medusa/` and `redrafter/` beside a model.
 
-The target layout is mlx_hybrid/speculative/FORMAT.md: the reference implementations' tensor
+The target layout is docs/formats/speculative-heads.md: the reference implementations' tensor
 names, so conversion renames little, checks every shape against the heads' config and the
 target's (hidden_size, vocab_size), casts and optionally quantizes like the target.
 
@@ -82,7 +82,7 @@ def redrafter_plan(path: str | Path, target: dict) -> tuple[Path, dict, dict]:
 
 
 def output_name(kind: str, name: str) -> str:
-    """Medusa's file holds `medusa_head`'s own state dict; FORMAT.md names its tensors from the model."""
+    """Medusa's file holds `medusa_head`'s own state dict; speculative-heads.md names its tensors from the model."""
     return f"medusa_head.{name}" if kind == "medusa" and not name.startswith("medusa_head.") else name
 
 

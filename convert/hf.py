@@ -157,7 +157,7 @@ def convert(
     """Write the MLX model directory for checkpoint `src` at `dst`; returns dst.
 
     medusa / redrafter: directories of heads in the FasterDecoding/Medusa or apple/ml-recurrent-drafter
-    layout, converted alongside into dst/medusa/ and dst/redrafter/ (`mlx_hybrid/speculative/FORMAT.md`).
+    layout, converted alongside into dst/medusa/ and dst/redrafter/ (`docs/formats/speculative-heads.md`).
     embed_bits: bits for the embeddings and LM head (default: bits).
     dtype None keeps each tensor's stored float dtype. Everything is written into a temporary
     directory beside dst and renamed at the end, so a failed or interrupted run leaves no dst;

@@ -2,7 +2,7 @@
 model's convertible attention layers as DSLA for its weights and cache to fit a memory budget.
 
 A model directory lists its convertible layers least sensitive first (`dsla_conversion` in
-config.json, mlx_hybrid/checkpoint_format.md); both weight sets stay loaded, and which one a
+config.json, docs/formats/hybrid-checkpoint.md); both weight sets stay loaded, and which one a
 layer uses is decided by the cache it is handed (`hybrid.Model.make_cache(dsla_layers)`).
 
 The conversion is decided per request at prefill time, from the tokens the request will hold

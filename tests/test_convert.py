@@ -348,7 +348,7 @@ def test_api_errors_are_hybrid_errors(plain, tmp_path):
         convert(tmp_path / "nowhere", tmp_path / "dst")
 
 
-# ---- speculative heads in their released layouts (mlx_hybrid/speculative/FORMAT.md) ----
+# ---- speculative heads in their released layouts (docs/formats/speculative-heads.md) ----
 
 
 class ResBlock(torch.nn.Module):
@@ -413,7 +413,7 @@ def np_resblock(x, w, b):
 
 
 def test_medusa_and_redrafter_heads_round_trip(source, tmp_path):
-    """Released-layout heads convert beside the model; FORMAT.md's equations on the converted tensors give the
+    """Released-layout heads convert beside the model; speculative-heads.md's equations on the converted tensors give the
     torch modules' logits (float), and quantized heads stay within one quantization step of the source (what MLX's
     affine rounding guarantees: up to 0.77 step measured; a misplaced group would be off by ~100 steps)."""
     src = source("llama")

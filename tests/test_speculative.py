@@ -369,7 +369,7 @@ def test_medusa_sampling_runs_and_respects_support(target):
     assert len(tokens) == 30 and steps <= 30
 
 
-# ---- the on-disk layout (FORMAT.md) against PyTorch modules written like the reference code ----
+# ---- the on-disk layout (docs/formats/speculative-heads.md) against PyTorch modules written like the reference code ----
 
 
 def _torch_medusa(H, V, K, L):

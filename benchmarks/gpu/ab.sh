@@ -1,9 +1,24 @@
-# bash benchmarks/gpu/ab.sh MODEL ROUNDS [ARGS...]: BASE's package and this tree's, interleaved, each
-# running benchmarks/speculative.py on MODEL; prints their rows (compare within a round). Each run
-# gets AB_TIMEOUT seconds (150): more on a machine that has compiled no kernels yet.
-model=$1 rounds=$2; shift 2
-for r in $(seq 1 $rounds); do for p in base now; do
-  echo "== $p round $r"
-  (source benchmarks/gpu/env.sh $p && timeout ${AB_TIMEOUT:-150} python3 benchmarks/speculative.py --model $model --label "ab $p $r" \
-    --beam 4x5 "$@" 2>&1 | grep "^| mlx-hybrid\|Error")
-done; done
+#!/usr/bin/env bash
+# An A/B round of two versions of the package on one model: the package at git revision BASE and
+# this checkout's, each running this checkout's benchmarks/speculative.py on MODEL (so BASE must
+# have the API it calls), ROUNDS times in turn. The host's speed drifts between runs minutes
+# apart, so compare within a round. Result files go to a temporary directory, not results/.
+#   bash benchmarks/gpu/ab.sh BASE MODEL ROUNDS [more benchmarks/speculative.py arguments]
+set -euo pipefail
+[ $# -ge 3 ] || { sed -n '2,6p' "$0"; exit 2; }
+base=$1 model=$2 rounds=$3; shift 3
+root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir "$work/src"
+git -C "$root" archive "$base" | tar -x -C "$work/src"
+python -m pip install -q --no-deps --no-build-isolation --target "$work/site" "$work/src"
+cd "$root"
+for r in $(seq 1 "$rounds"); do
+  for side in base now; do
+    echo "== $side, round $r"
+    if [ $side = base ]; then pythonpath=(PYTHONPATH="$work/site"); else pythonpath=(); fi
+    env "${pythonpath[@]}" python benchmarks/speculative.py --model "$model" --results "$work/results" \
+      --label "ab $side $r" "$@" | grep "^| \|rror"
+  done
+done

@@ -8,10 +8,12 @@ a directory with medusa/ and redrafter/, or a new one: random weights, untrained
 A speculative pass on a fast host is bound by the host's dispatch (`pass_phases.py`): this says
 which of its ops cost the host most. Prints JSON.
 
-    python3 benchmarks/gpu/dispatch_cost.py [--graphs /tmp/syn] > $OUT/dispatch.json
+    python benchmarks/gpu/dispatch_cost.py [--graphs DIR] > dispatch.json
 """
+import argparse
 import json
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -105,11 +107,12 @@ def graphs(d: Path) -> dict:
     model = load_model(d)
     prompt = mx.random.randint(0, model.args.vocab_size, (128,), key=mx.random.key(0)).tolist()
     dispatch, seen, out = mx.async_eval, [], {}
+    dot = Path(tempfile.mkdtemp()) / "graph.dot"
 
     def capture(*arrays):
         seen.append(arrays)
         if len(seen) == 6:  # a step in the middle of the run
-            mx.export_to_dot("/tmp/graph.dot", *arrays)
+            mx.export_to_dot(str(dot), *arrays)
         dispatch(*arrays)
 
     mx.async_eval = capture
@@ -124,14 +127,17 @@ def graphs(d: Path) -> dict:
             for i, _ in enumerate(run()):
                 if i == 8:
                     break
-        text = Path("/tmp/graph.dot").read_text()
+        text = dot.read_text()
         kinds = Counter(line.split('label ="')[1].split('"')[0] for line in text.splitlines() if 'label ="' in line)
         out[name] = dict(nodes=sum(kinds.values()), kinds=dict(kinds.most_common()))
     mx.async_eval = dispatch
     return out
 
 
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--graphs", type=Path, metavar="DIR", help="also count the graphs of this model (with medusa/ and redrafter/), or of a new random one")
+args = p.parse_args()
 result = {"ops": micro()}
-if "--graphs" in sys.argv:
-    result["graphs"] = graphs(Path(sys.argv[sys.argv.index("--graphs") + 1]))
+if args.graphs:
+    result["graphs"] = graphs(args.graphs)
 print(json.dumps(result, indent=1))

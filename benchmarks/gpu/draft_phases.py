@@ -1,8 +1,7 @@
 #!/usr/bin/env python
 """Where a pass of draft-model speculation spends its time, ours beside mlx-lm's on the same
-weights. Written when the H100's first draft row took 144 ms a pass against mlx-lm's 16 (twenty-fifth
-session): here, on one prompt, it took 13, and the slow passes were a few that built kernels or
-cuDNN plans for shapes not seen before (benchmarks/README.md).
+weights. A slow pass is a host that builds: a kernel or a cuDNN plan for a shape not seen before
+costs tens of milliseconds to seconds on MLX's CUDA backend, and this finds which passes paid it.
 
 Part 1, one op at a time, each the median of 20 after 3 warm-ups, at the prompt's cache: a draft
 model step of one token (ours, mlx-lm's), and a target forward over K + 1 tokens (ours as the
@@ -14,13 +13,14 @@ moves (`accept_path`).
 Part 3, the prompts in turn as `speculative.py` runs them (3 chat questions, a warm-up round then
 2), the draft keeping its cache from one prompt to the next: each run's tokens a second and its
 slowest passes, with the draft's prompt read (`prefill`) and its several-token re-reads split out.
-Written when every H100 run's first trial of the draft row ran 10x slower than its others
-(twenty-sixth session).
 
-MODEL: a directory with draft/ (or a new one: `speculative.py`'s synthetic target and draft).
+MODEL: a directory with draft/ (or a new one: `speculative.py`'s synthetic target and draft). A
+target whose draft is all of it (a draft that agrees often, so it re-reads): `make_synthetic`
+(benchmarks/run.py) then `write_heads(d, load_model(d), 0, 30)` (benchmarks/speculative.py).
 
-    python3 benchmarks/gpu/draft_phases.py MODEL OUT [K]
+    python benchmarks/gpu/draft_phases.py OUTDIR/llama-target draft-phases.json [K]
 """
+import argparse
 import json
 import sys
 import time
@@ -44,8 +44,12 @@ from mlx_hybrid.speculative import accept  # noqa: E402
 from mlx_hybrid.speculative.load import target_dtype  # noqa: E402
 from mlx_hybrid.speculative.tree import Tree  # noqa: E402
 
-d, out_path = synthetic_target(Path(sys.argv[1])), Path(sys.argv[2])
-K = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("model", type=Path)
+p.add_argument("out", type=Path, help="JSON file")
+p.add_argument("k", type=int, nargs="?", default=4, help="draft tokens a step (default 4)")
+args = p.parse_args()
+d, out_path, K = synthetic_target(args.model), args.out, args.k
 model = load_model(d)
 prompt = render_chat(load_tokenizer(d), [{"role": "user", "content": CHAT_PROMPTS.read_text().splitlines()[0]}])
 proposer = loop.load_proposer("draft", model, d, num_draft=K)

@@ -12,7 +12,7 @@ time is bound by the device.
 MODEL: a model directory with its medusa/ and/or redrafter/, or a new directory for random
 weights in SmolLM2-135M's shape with untrained heads (`speculative.py`'s). Prints JSON.
 
-    python3 benchmarks/gpu/kernel_profile.py /tmp/mt [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12] [--sequence]
+    python benchmarks/gpu/kernel_profile.py OUTDIR/llama-target [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12] [--sequence]
 """
 
 import argparse

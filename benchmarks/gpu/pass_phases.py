@@ -11,9 +11,10 @@ MODEL: a directory with medusa/ and redrafter/ (or a new one: random weights in 
 shape, `speculative.py`'s untrained heads); PROMPT: chat (the benchmark's first held-out chat
 question, in the chat template) or a number of random tokens.
 
-    python3 benchmarks/gpu/pass_phases.py MODEL chat|N OUT [TOKENS]
-    python3 benchmarks/gpu/pass_phases.py /tmp/mt chat $OUT/phases.json
+    python benchmarks/gpu/pass_phases.py MODEL chat|N OUT [TOKENS]
+    python benchmarks/gpu/pass_phases.py OUTDIR/llama-target chat pass-phases.json
 """
+import argparse
 import json
 import sys
 import time
@@ -35,8 +36,13 @@ from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative import accept  # noqa: E402
 
-d, kind, out_path = synthetic_target(Path(sys.argv[1])), sys.argv[2], Path(sys.argv[3])
-N = int(sys.argv[4]) if len(sys.argv) > 4 else 64  # tokens a run
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("model", type=Path)
+p.add_argument("prompt", help="chat, or a number of random prompt tokens")
+p.add_argument("out", type=Path, help="JSON file")
+p.add_argument("tokens", type=int, nargs="?", default=64, help="tokens a run (default 64)")
+args = p.parse_args()
+d, kind, out_path, N = synthetic_target(args.model), args.prompt, args.out, args.tokens
 model = load_model(d)
 if kind == "chat":
     prompt = render_chat(load_tokenizer(d), [{"role": "user", "content": CHAT_PROMPTS.read_text().splitlines()[0]}])

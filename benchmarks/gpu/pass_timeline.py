@@ -8,8 +8,9 @@ decode step's and what filling the pipeline costs at the start of a run.
 MODEL: a directory with medusa/ and redrafter/, or a new one for random weights in SmolLM2-135M's
 shape with untrained heads (`speculative.py`'s). Writes JSON to OUT.
 
-    python3 benchmarks/gpu/pass_timeline.py /tmp/syn $OUT/timeline.json
+    python benchmarks/gpu/pass_timeline.py DIR pass-timeline.json
 """
+import argparse
 import json
 import sys
 import time
@@ -25,7 +26,11 @@ from mlx_hybrid.loader import load_model  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
 
-d, out_path = synthetic_target(Path(sys.argv[1])), Path(sys.argv[2])
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("model", type=Path)
+p.add_argument("out", type=Path, help="JSON file")
+args = p.parse_args()
+d, out_path = synthetic_target(args.model), args.out
 model = load_model(d)
 prompt = mx.random.randint(0, model.args.vocab_size, (128,), key=mx.random.key(0)).tolist()
 argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731

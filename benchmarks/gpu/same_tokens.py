@@ -1,6 +1,11 @@
-"""Where ReDrafter's greedy tokens leave plain greedy decoding's, and the plain top-2 logit margin
-there (a near-tie, or a real difference): python3 benchmarks/gpu/same_tokens.py MODEL [DTYPE]."""
+"""Where ReDrafter's greedy tokens (beams 4x5 and 2x5) leave plain greedy decoding's on the first
+three benchmark chat questions, and plain decoding's top-2 logit margin there: an exact or
+one-step bfloat16 tie, or a real difference. In float32 they must not leave it.
 
+    python benchmarks/gpu/same_tokens.py OUTDIR/hybrid-target [float32]
+"""
+
+import argparse
 import sys
 from pathlib import Path
 
@@ -15,7 +20,11 @@ from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
 
-model_dir, dtype = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else None)
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("model", type=Path, help="a target with redrafter/")
+p.add_argument("dtype", nargs="?", default=None, help="load the model in this dtype (default: as stored)")
+args = p.parse_args()
+model_dir, dtype = args.model, args.dtype
 model = load_model(model_dir, dtype) if dtype else load_model(model_dir)
 tok = load_tokenizer(model_dir)
 N = 64

@@ -3,9 +3,10 @@ shape, and the Mamba2 tree step alone: random weights in SmolLM2-135M's shape (b
 context tokens, trees of 1 + w chains of 5 below the root (ReDrafter's wx5 beams, none shared),
 each timing the median of 30 synchronous runs in ms. Prints JSON.
 
-    python3 benchmarks/gpu/tree_step_cost.py
+    python benchmarks/gpu/tree_step_cost.py > tree-step-cost.json
 """
 
+import argparse
 import json
 import sys
 import time
@@ -40,6 +41,7 @@ def beams(width: int, length: int = 5) -> list[int]:
     return parents
 
 
+argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 shape = SYNTHETIC["smollm2-135m"]
 n = shape["num_hidden_layers"]
 out = {"backend": kernel_backend(), "passes": {}, "mamba2_step": {}}

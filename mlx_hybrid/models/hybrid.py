@@ -7,7 +7,7 @@ starts out as linearized attention and distillation only has to learn dt, A, D a
 
 The Mamba and Mamba2 layers follow the released MambaInLlama checkpoints tensor for tensor,
 quirks included (see `Mamba`); DSLA (dual-state linear attention, DSLA-Serve eq. 4-5) is this
-project's own. The checkpoint format is described in `mlx_hybrid/checkpoint_format.md`.
+project's own. The checkpoint format is described in `docs/formats/hybrid-checkpoint.md`.
 """
 
 import math

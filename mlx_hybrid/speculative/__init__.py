@@ -1,5 +1,5 @@
 """Speculative decoding: Medusa heads, a ReDrafter drafter or a draft model propose tokens, and the
-target verifies them in one forward pass over a candidate tree. Formats: FORMAT.md.
+target verifies them in one forward pass over a candidate tree. Formats: docs/formats/speculative-heads.md.
 
     from mlx_hybrid import load, stream_generate
     from mlx_hybrid.speculative import load_proposer

@@ -1,4 +1,4 @@
-"""Reading Medusa heads and ReDrafter drafters from their directories (FORMAT.md).
+"""Reading Medusa heads and ReDrafter drafters from their directories (docs/formats/speculative-heads.md).
 
 As for models (`mlx_hybrid/loader.py`), every way a directory can be wrong ends in a one-line
 `HybridError` naming the file or tensor at fault.

@@ -1,7 +1,7 @@
 """Medusa heads (Cai et al.): K extra heads on the target's last hidden state, head k guessing the
 token k + 2 places ahead; their top-k guesses form a candidate tree verified in one pass.
 
-Layout and tensor names: FORMAT.md. The tree is the heads directory's `medusa_choices` (written
+Layout and tensor names: docs/formats/speculative-heads.md. The tree is the heads directory's `medusa_choices` (written
 by `calibrate`, the greedy construction of section 3.3.1 from head accuracies measured here) or
 else a small Cartesian tree.
 """

@@ -9,7 +9,7 @@ on the device (`draft`), so the step never waits for the host before verificatio
 At temperature > 0 the beams are instead BW independent samples from the drafter: beam search
 picks its candidates deterministically, so accepting them with probability p/q (as the reference
 code does) would not preserve the target's distribution, while independent draws verified by
-multi-draft rejection sampling (`accept.rejection`) do. Layout and tensor names: FORMAT.md. Beam
+multi-draft rejection sampling (`accept.rejection`) do. Layout and tensor names: docs/formats/speculative-heads.md. Beam
 scores use log-softmax over the whole vocabulary (the reference first keeps the top 50 logits).
 """
 

@@ -12,7 +12,7 @@ draft      a draft model for draft-model speculation: a few of the base's layers
 Data: `pseudo-labels` of the base itself (Medusa's self-distillation; greedy for ReDrafter, so every
 position's T-token greedy continuation is the sequence itself). With `eval_data` (held-out greedy
 pseudo-labels) each stage writes the top-1 accuracy of every head / drafted step to out/report.json.
-Exports in mlx_hybrid/speculative/FORMAT.md's layout: out/medusa/, out/redrafter/, and for Medusa-2
+Exports in docs/formats/speculative-heads.md's layout: out/medusa/, out/redrafter/, and for Medusa-2
 the changed backbone with its heads, out/model/ + out/model/medusa/ (a Llama/Mistral base stays one:
 Hugging Face's format, `model.save_model`); the draft model in Hugging Face's format, out/draft/.
 """

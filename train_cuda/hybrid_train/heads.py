@@ -1,5 +1,5 @@
 """Medusa heads and the ReDrafter drafter in PyTorch, with the MLX runtime's tensor names and math
-(`mlx_hybrid/speculative/FORMAT.md`, `medusa.py`, `redrafter.py`), so `state_dict()` is the export.
+(`docs/formats/speculative-heads.md`, `medusa.py`, `redrafter.py`), so `state_dict()` is the export.
 
 Both read the base model's last hidden state h_t (after the final norm, the input of its lm_head).
 Positions, as in the runtime: the base's own head predicts token t+1 from h_t; Medusa head k

@@ -1,7 +1,7 @@
 """Hybrid students: a transformers Llama/Mistral whose chosen layers have Mamba, Mamba2 or DSLA mixers.
 
 The mixers compute exactly what the MLX runtime's layers compute (`mlx_hybrid/models/hybrid.py`,
-format in `mlx_hybrid/checkpoint_format.md`) and use its tensor names, so a student's state_dict
+format in `docs/formats/hybrid-checkpoint.md`) and use its tensor names, so a student's state_dict
 is the exported checkpoint. Layers are attention-initialized ("The Mamba in the Llama",
 Algorithm 1): x, B, C, out <- V, K, Q, O of the layer's attention, grouped KV heads expanded to
 the query heads, and only dt, A, D, z, the conv (and DSLA's gates) are new.
@@ -403,7 +403,7 @@ def save_model(model, path: Path, tokenizer=None):
 
 def save_adaptive(teacher, student, path: Path, order: list[int], max_layers: int | None = None, tokenizer=None):
     """Write a model whose layers in `order` run as attention or as DSLA, per request (runtime:
-    mlx_hybrid/adaptive.py; format: "Adaptive DSLA conversion" in mlx_hybrid/checkpoint_format.md).
+    mlx_hybrid/adaptive.py; format: "Adaptive DSLA conversion" in docs/formats/hybrid-checkpoint.md).
 
     Attention weights come from the teacher, DSLA mixers from the `dsla` stage's student, whose
     chained conversion order is `order` (least sensitive first). The two must share everything

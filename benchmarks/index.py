@@ -1,0 +1,392 @@
+#!/usr/bin/env python
+"""Regenerate the tables of benchmarks/README.md from the result files in benchmarks/results/.
+
+Benchmarks write only their result files (JSON, and a PNG beside some); the README's tables are
+this script's, between `<!-- table:NAME -->` and `<!-- /table:NAME -->`: the index of every result
+file, and one table per benchmark. Prose outside the markers is never touched.
+
+    python benchmarks/index.py            # rewrite the tables
+    python benchmarks/index.py --check    # exit 1 if the README's tables differ from what the files give
+
+A file's date is the `timestamp` / `date` / `created` it records, else the date of the last commit
+that changed it (renames followed), else its modification time. Paths outside the checkout appear
+in commands by their last component: where a run kept its files is not part of how to reproduce it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+README = BENCH_DIR / "README.md"
+
+# File-name prefix -> the command that writes such files (longest prefix wins).
+KINDS = {
+    "decode": "benchmarks/run.py",
+    "speculative": "benchmarks/speculative.py",
+    "hybrid-context": "benchmarks/hybrid_context.py",
+    "dsla-conversion": "benchmarks/dsla_conversion.py run",
+    "convert-memory": "benchmarks/convert_memory.py",
+    "scan-bandwidth": "benchmarks/scan_bandwidth.py",
+    "graph-ops": "benchmarks/graph_ops.py",
+    "tune": "benchmarks/tune.py",
+    "tune-profile": "hybrid tune (the profile benchmarks/tune.py used)",
+    "pass-cost": "benchmarks/pass_cost.py",
+    "pass-cost-passes": "benchmarks/pass_cost.py --passes",
+    "pass-cost-split": "benchmarks/pass_cost.py --split",
+    "pass-cost-ops": "benchmarks/pass_cost.py (op_* chains)",
+    "kernel-profile": "benchmarks/gpu/kernel_profile.py",
+    "kernel-bench": "benchmarks/gpu/kernel_bench.py --sweep",
+    "dispatch-cost": "benchmarks/gpu/dispatch_cost.py --graphs",
+    "draft-phases": "benchmarks/gpu/draft_phases.py",
+    "pass-phases": "benchmarks/gpu/pass_phases.py",
+    "pass-timeline": "benchmarks/gpu/pass_timeline.py",
+    "tree-step-cost": "benchmarks/gpu/tree_step_cost.py",
+    "train-heads": "train_cuda/scripts/real_heads.py",
+    "train-hybrid-target": "train_cuda/scripts/real_default.py --settings train_cuda/configs/real_hybrid_target.yaml",
+}
+
+
+@dataclass
+class Result:
+    path: Path
+    data: dict
+    kind: str
+    model: str
+    device: str
+    date: str
+
+    @property
+    def png(self) -> Path | None:
+        png = self.path.with_suffix(".png")
+        return png if png.is_file() else None
+
+
+def kind_of(stem: str) -> str | None:
+    matches = [k for k in KINDS if stem == k or stem.startswith(k + "-")]
+    return max(matches, key=len) if matches else None
+
+
+def device_of(data: dict, stem: str) -> str:
+    if isinstance(data.get("label"), str):
+        return data["label"]
+    device = data.get("device")
+    if isinstance(device, dict):
+        return device.get("name") or device.get("default_label", "?")
+    if isinstance(device, str):
+        return device
+    return "NVIDIA H100" if stem.endswith("nvidia-h100") else "any (op counts)"
+
+
+def date_of(path: Path, data: dict) -> str:
+    for key in ("timestamp", "date", "created"):
+        if isinstance(data.get(key), str):
+            return data[key][:10]
+    try:
+        out = subprocess.run(["git", "log", "-1", "--follow", "--diff-filter=AM", "--format=%ad", "--date=short", "--", path.name],
+                             cwd=path.parent, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or date.fromtimestamp(path.stat().st_mtime).isoformat()
+
+
+def load_results(results: Path = RESULTS) -> list[Result]:
+    out = []
+    for path in sorted(results.glob("*.json")):
+        kind = kind_of(path.stem)
+        if kind is None:
+            raise SystemExit(f"error: {path.name} matches no benchmark prefix ({', '.join(KINDS)})")
+        data = json.loads(path.read_text())
+        rest = path.stem[len(kind) + 1 :]
+        model = re.sub(r"-?\b(nvidia|cpu|amd|apple)\b.*$", "", rest)
+        out.append(Result(path, data, kind, model, device_of(data, path.stem), date_of(path, data)))
+    return out
+
+
+def show_command(command: str, drop: str | None = None) -> str:
+    """The command with paths outside the checkout shortened to their last component (and without
+    option `drop` and its value, where a table shows that value itself)."""
+    words = shlex.split(command)
+    if drop in words:
+        del words[words.index(drop) : words.index(drop) + 2]
+    for i, w in enumerate(words):
+        if w.startswith(("/", "~")):
+            p = Path(w).expanduser()
+            words[i] = str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name
+    return shlex.join(words)
+
+
+def png_link(r: Result, alt: str) -> list[str]:
+    return [f"![{alt}](results/{r.png.name})"] if r.png else []
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def index_table(results: list[Result]) -> str:
+    lines = ["| result | written by | model | device | date |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        plot = f" ([plot](results/{r.png.name}))" if r.png else ""
+        lines.append(f"| [{r.path.name}](results/{r.path.name}){plot} | `{KINDS[r.kind]}` | {r.model or '-'} | {r.device} | {r.date} |")
+    return "\n".join(lines)
+
+
+def decode_tables(results: list[Result]) -> str:
+    out = []
+    for label in dict.fromkeys(r.device for r in results):
+        group = [r for r in results if r.device == label]
+        lines = [f"#### {label}", "",
+                 "| model | variant | prefill tok/s mlx-hybrid | prefill tok/s mlx-lm | prefill ratio | decode tok/s mlx-hybrid "
+                 "| decode tok/s mlx-lm | decode ratio | peak GB mlx-hybrid | peak GB mlx-lm | same tokens | max Δ logprob "
+                 "| float dtype mlx-hybrid / mlx-lm |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: | ---: | --- |"]
+        for r in group:
+            for variant, v in r.data["variants"].items():
+                ours, theirs = (v["runtimes"][k]["median"] for k in ("mlx_hybrid", "mlx_lm"))
+                same = "yes" if v["tokens_match"] else f"no (from token {v['first_mismatch']})"
+                dtypes = " / ".join(v["runtimes"][k].get("compute_dtype", "?") for k in ("mlx_hybrid", "mlx_lm"))
+                lines.append(
+                    f"| {r.data['model']['name']} | {variant} | {ours['prefill_tps']:.1f} | {theirs['prefill_tps']:.1f} | "
+                    f"{v['ratios']['prefill']:.2f}× | {ours['decode_tps']:.1f} | {theirs['decode_tps']:.1f} | "
+                    f"{v['ratios']['decode']:.2f}× | {ours['peak_memory_gb']:.3f} | {theirs['peak_memory_gb']:.3f} | {same} | "
+                    f"{max(v['logprobs_max_abs_diff'].values()):.2g} | {dtypes} |")
+        lines.append("")
+        for r in group:
+            s, ver = r.data["settings"], r.data["versions"]
+            lines.append(f"- **{r.data['model']['name']}** ({r.date}; mlx {ver['mlx']}, mlx-lm {ver['mlx_lm']}): "
+                         f"{s['prompt_tokens']} prompt tokens, {s['gen_tokens']} generated, median of {s['trials']} interleaved "
+                         f"trials, compute dtype: {s['dtype']}. `{show_command(r.data['command'])}`"
+                         + (f" [plot](results/{r.png.name})" if r.png else ""))
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def speculative_tables(results: list[Result]) -> str:
+    lines = ["| model | device | method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | ms / target pass | same tokens |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | :---: |"]
+    notes = []
+    for r in results:
+        d, a = r.data, r.data.get("args", {})
+        model = re.sub(r"-(chat|news)$", "", r.model)  # the prompt set: in the notes below
+        for i, row in enumerate(d["rows"]):
+            ms = 1000 * row["tokens_per_step"] / row["tps"]
+            where = (f"{model}, {d['dtype']}", f"{r.device} ({r.date})") if i == 0 else ("", "")
+            lines.append(f"| {where[0]} | {where[1]} | {row['method']} | {row['tps']:.1f} | {row['speedup']:.2f}x | "
+                         f"{row['tokens_per_step']:.2f} | {ms:.2f} | {'yes' if row['same'] else 'no'} |")
+        prompts = d.get("prompts") or (f"{a.get('prompt_tokens')} random prompt tokens" if a.get("synthetic") not in (None, "None")
+                                       else f"each of {a.get('prompts')} held-out {a.get('prompt_set', 'chat')} prompts")
+        notes.append(f"- {model}, {r.device}: `{show_command(d['command'])}` ({a.get('gen_tokens')} tokens after {prompts}, "
+                     f"median of {a.get('trials')} trials" + (f"; [plot](results/{r.png.name})" if r.png else "") + ")")
+    return "\n".join(lines + [""] + notes)
+
+
+def context_tables(results: list[Result]) -> str:
+    contexts = sorted({x["context"] for r in results for x in r.data["rows"]})
+    lines = ["Each cell: ms per decoded token (cache MiB per sequence); growth: the step's time at the longest context over the "
+             "shortest.", "", "| shape, dtype, device | model | " + " | ".join(f"{c // 1024}k" for c in contexts) + " | growth |",
+             "| --- | --- | " + " | ".join("---:" for _ in contexts) + " | ---: |"]
+    notes = []
+    for r in results:
+        get = {(x["model"], x["context"]): x for x in r.data["rows"]}
+        for i, name in enumerate(dict.fromkeys(x["model"] for x in r.data["rows"])):
+            where = f"{r.data['shape']}, {r.data['dtype']}, {r.device} ({r.date})" if i == 0 else ""
+            cells = [get.get((name, c)) for c in contexts]
+            ms = [x["ms_per_token"] for x in cells if x]
+            lines.append(f"| {where} | {name} | " + " | ".join(f"{x['ms_per_token']:.2f} ({x['cache_bytes'] / 2**20:.1f})" if x else ""
+                                                              for x in cells) + f" | {ms[-1] / ms[0]:.2f}× |")
+        notes.append(f"- {r.data['shape']}, {r.device}: `{show_command(r.data['command'])}`"
+                     + (f" ([plot](results/{r.png.name}))" if r.png else ""))
+    return "\n".join(lines + [""] + notes)
+
+
+def mb(n: int) -> str:
+    """Bytes as mlx_hybrid.adaptive.format_bytes writes them (decimal units)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def dsla_tables(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        d = r.data
+        lines = [f"#### {d['name']}, {r.device} ({r.date})", ""]
+        lines += [f"`{show_command(d['build'])}`", ""] if d.get("build") else []
+        lines += [f"`{show_command(d['command'], drop='--note')}`", ""]
+        lines += [d["note"], ""] if d.get("note") else []
+        lines += [f"Perplexity on {d['tokens']} held-out tokens ({d['blocks']} blocks of {d['seq_len']}, `{Path(d['text']).name}`); "
+                  f"conversion order, least sensitive first: {d['order']}.", "",
+                  f"| DSLA layers | rate | perplexity | ratio | cache after a block | cache at {d['context']} |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for x in d["rows"]:
+            lines.append(f"| {x['dsla_layers']} | {x['rate']:.0%} | {x['ppl']:.3f} | {x['ratio']:.3f}× | "
+                         f"{mb(x['cache_bytes_measured'])} | {mb(x['cache_bytes_at_context'])} |")
+        picks = ", ".join(f"{x['prompt']}: does not fit" if x["dsla_layers"] is None
+                          else f"{x['prompt']}: {x['dsla_layers']} layers ({mb(x['cache_bytes'])})" for x in d["policy"])
+        lines += ["", f"The policy's conversion per prompt length (+ 256 new tokens) under a budget of {mb(d['budget'])} "
+                  f"(weights {mb(d['weights_bytes'])}): {picks}."]
+        out.append("\n".join(lines + [""] + png_link(r, "DSLA conversion")).rstrip())
+    return "\n\n".join(out)
+
+
+def convert_tables(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        d = r.data
+        lines = [f"#### {d['shape']} shape, random weights ({d['parameters'] / 1e9:.2f}B parameters: {d['bf16_gb']} GB as stored, "
+                 f"{d['float32_gb']} GB in float32), {r.device} ({r.date})", "",
+                 "| converter | source | output | peak RSS | vs float32 size | time |", "| --- | --- | --- | ---: | ---: | ---: |"]
+        for x in d["runs"]:
+            lines.append(f"| {x['tool']} | {x['source']} | {x['output']} | {x['peak_rss_mb'] / 1e3:.2f} GB | "
+                         f"{x['peak_rss_mb'] / 1e3 / d['float32_gb']:.2f}× | {x['seconds']} s |")
+        out.append("\n".join(lines + [""] + png_link(r, "conversion memory")).rstrip())
+    return "\n\n".join(out)
+
+
+def scan_tables(results: list[Result]) -> str:
+    out = []
+    for r in (r for r in results if "reference" not in r.data["timed"]):  # the CPU times the pure-MLX reference
+        d = r.data
+        lines = [f"#### {r.device} ({r.date}, MLX {d['mlx']}): {d['timed']}, inputs {d['input_dtype']}, "
+                 f"measured bandwidth {d['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s", "",
+                 "| batch | channels | N | NA | L | saved | state MB | MB moved | µs / call | floor µs | time / floor | vs L=1 "
+                 "| MLX `state * 0.5` µs |",
+                 "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for x in d["rows"]:
+            lines.append(f"| {x['batch']} | {x['channels']} | {x['n']} | {x['na']} | {x['L']} | {len(x['save'])} | "
+                         f"{x['state_mb']:.0f} | {x['bytes_moved'] / 2**20:.1f} | {x['time_s'] * 1e6:.1f} | {x['floor_s'] * 1e6:.1f} | "
+                         f"{x['ratio']:.2f}× | {x['vs_L1']:.2f}× | {x['mlx_state_op_s'] * 1e6:.1f} |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def graph_tables(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        lines = [f"Counted {r.date}, MLX {r.data['mlx']}. Each cell is kernels + views; \"pass / step\": the pass's kernels over "
+                 "a decode step's (kernels and views together in brackets)."]
+        for name, counts in r.data["results"].items():
+            step_k, step_v = counts["plain step"]
+            lines += ["", f"**{name}**: plain decode step {step_k} kernels + {step_v} views.", "",
+                      "| method | nodes | draft | verification forward | acceptance | cache moves | pass | pass / step |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for method, parts in counts.items():
+                if method == "plain step":
+                    continue
+                cells = [parts[p] for p in ("draft", "verification forward", "acceptance", "cache moves")]
+                pk, pv = (sum(c[i] for c in cells) for i in (0, 1))
+                lines.append(f"| {method} | {parts['nodes']} | " + " | ".join(f"{k} + {v}" for k, v in cells)
+                             + f" | {pk} + {pv} | {pk / step_k:.2f}x ({(pk + pv) / (step_k + step_v):.2f}x) |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def tune_tables(results: list[Result]) -> str:
+    def key(runner: str) -> str:  # tuned rows of different runs share a line
+        return re.sub(r" tuned .*", " tuned", runner)
+
+    runners = list(dict.fromkeys(key(x["runner"]) for r in results for x in r.data["rows"]))
+    lines = ["Each cell: decode tok/s (vs plain; tokens / target pass); in bold the profile's choice.", "",
+             "| runner | " + " | ".join(f"{r.model}, {r.device} ({r.date})" for r in results) + " |",
+             "| --- | " + " | ".join("---:" for _ in results) + " |"]
+    for name in runners:
+        cells = []
+        for r in results:
+            x = next((x for x in r.data["rows"] if key(x["runner"]) == name), None)
+            cell = "" if x is None else f"{x['tps']:.1f} ({x['vs_plain']:.2f}x; {x['tokens_per_step']:.2f})"
+            cells.append(f"**{cell}**" if x and x["runner"] == r.data["choice"] else cell)
+            if x and name.endswith(" tuned"):
+                cells[-1] = f"{x['runner'].split(' tuned ')[1]}: {cells[-1]}"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for r in results:
+        beaten = r.data.get("faster_than_tuned")
+        verdict = "its choice was the fastest runner" if not beaten else f"faster than its choice: {', '.join(beaten)}"
+        profile = r.path.with_name(r.path.name.replace("tune-", "tune-profile-", 1)).with_suffix(".png")
+        lines.append(f"- {r.model}, {r.device}: `{show_command(r.data['command'])}`; profile {r.data['profile_status']}, {verdict}"
+                     + (f" ([profile](results/{profile.name}))" if profile.is_file() else "") + ".")
+    return "\n".join(lines)
+
+
+def training_tables(results: list[Result]) -> str:
+    lines = ["| run | date | held-out top-1 per head / drafted step | other |", "| --- | --- | --- | --- |"]
+    for r in results:
+        d = r.data
+        top1 = lambda x: " / ".join(f"{a:.3f}" for a in x["top1"])  # noqa: E731
+        cells = [f"{name}: {top1(d[name])}" for name in ("medusa1", "redrafter") if name in d]
+        other = []
+        if "draft" in d:
+            other.append(f"draft: top-1 {d['draft']['top1']:.3f}, accepted {d['draft']['accepted']:.2f} at K = {d['draft']['num_draft']}")
+        for text, rows in d.get("perplexity", {}).items():
+            other.append(f"{text} perplexity {rows[-1]['ppl']:.2f} vs teacher {rows[0]['ppl']:.2f} ({rows[-1]['ratio']:.2f}x)")
+        other.append(f"{d['seconds']['total']:.0f} s")
+        lines.append(f"| [{r.path.name}](results/{r.path.name}) | {r.date} | {'; '.join(cells)} | {'; '.join(other)} |")
+    return "\n".join(lines)
+
+
+TABLES = {
+    "index": (None, index_table),
+    "decode": (["decode"], decode_tables),
+    "scan-bandwidth": (["scan-bandwidth"], scan_tables),
+    "hybrid-context": (["hybrid-context"], context_tables),
+    "convert-memory": (["convert-memory"], convert_tables),
+    "dsla-conversion": (["dsla-conversion"], dsla_tables),
+    "speculative": (["speculative"], speculative_tables),
+    "graph-ops": (["graph-ops"], graph_tables),
+    "tune": (["tune"], tune_tables),
+    "training": (["train-heads", "train-hybrid-target"], training_tables),
+}
+
+
+def render(name: str, results: list[Result]) -> str:
+    kinds, fn = TABLES[name]
+    return fn([r for r in results if kinds is None or r.kind in kinds])
+
+
+def render_file(path: Path) -> str:
+    """The table one result file gets in the README (what a benchmark prints when it has written it)."""
+    r = next(r for r in load_results(path.parent) if r.path == path)
+    return next(fn([r]) for kinds, fn in TABLES.values() if kinds and r.kind in kinds)
+
+
+def regenerate(text: str, results: list[Result]) -> str:
+    for name in TABLES:
+        start, end = f"<!-- table:{name} -->", f"<!-- /table:{name} -->"
+        pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"error: {README} has no {start} ... {end} markers")
+        text = pattern.sub(lambda _: f"{start}\n{render(name, results)}\n{end}", text, count=1)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if the README is stale")
+    p.add_argument("--readme", type=Path, default=README)
+    args = p.parse_args(argv)
+    text = args.readme.read_text()
+    new = regenerate(text, load_results())
+    if args.check:
+        if new != text:
+            print(f"{args.readme} is stale: run python benchmarks/index.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        args.readme.write_text(new)
+        print(f"updated {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""benchmarks/README.md's tables are generated from benchmarks/results/ (benchmarks/index.py): they
+must be what the result files give, so a result added or replaced without regenerating them, or a
+table edited by hand, fails here."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from index import load_results, show_command  # noqa: E402
+
+
+def test_readme_tables_are_the_result_files():
+    out = subprocess.run([sys.executable, str(BENCH / "index.py"), "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_every_result_has_a_benchmark_and_a_date():
+    results = load_results()
+    assert results
+    for r in results:
+        assert len(r.date) == 10 and r.date[:2] == "20", (r.path.name, r.date)
+
+
+def test_commands_show_outside_paths_by_their_last_component():
+    cmd = "python benchmarks/run.py --model /scratch/x/SmolLM2 --label 'NVIDIA H100, MLX CUDA backend' --note 'a b'"
+    assert show_command(cmd, drop="--note") == "python benchmarks/run.py --model SmolLM2 --label 'NVIDIA H100, MLX CUDA backend'"
+    inside = str(BENCH / "chat_prompts.txt")
+    assert show_command(f"python x.py {inside}") == "python x.py benchmarks/chat_prompts.txt"
