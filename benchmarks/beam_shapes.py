@@ -3,24 +3,23 @@
 wider or longer beam buys. Greedy acceptance depends on the weights, not on the device, so any
 machine measures it; what a shape costs a pass is the device's (`hybrid tune` weighs both).
 
-    python benchmarks/beam_shapes.py --model mlx_hybrid/data/default --prompts 3 4x5 8x5 4x6 8x6 16x5
+    python -m benchmarks.beam_shapes --model mlx_hybrid/data/default --prompts 3 4x5 8x5 4x6 8x6 16x5
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 from rich.console import Console
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-from speculative import CHAT_PROMPTS  # noqa: E402
+from benchmarks.speculative import CHAT_PROMPTS  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
-from mlx_hybrid.generate import SamplingParams  # noqa: E402
+from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
-from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
+from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.steps import speculative_steps  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -11,8 +11,8 @@ sampled every 20 ms from /proc, the peak of its anonymous memory (RssAnon: what 
 allocated, as opposed to file pages it mapped, which the kernel can drop at will).
 Writes a JSON file and a bar chart to benchmarks/results/.
 
-    python benchmarks/convert_memory.py                 # safetensors source, both converters
-    python benchmarks/convert_memory.py --bin           # also the PyTorch .bin source (mlx-hybrid only)
+    python -m benchmarks.convert_memory                 # safetensors source, both converters
+    python -m benchmarks.convert_memory --bin           # also the PyTorch .bin source (mlx-hybrid only)
 """
 
 import argparse
@@ -25,8 +25,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-sys.path.insert(0, str(BENCH_DIR))
-from run import SYNTHETIC, device_description, slugify  # noqa: E402
+from benchmarks.run import SYNTHETIC, device_description, slugify  # noqa: E402
 
 SHAPE = "llama-3.2-1b"
 
@@ -62,8 +61,7 @@ def build_source(dest: Path, with_bin: bool) -> int:
     import torch
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from factories import make_tokenizer  # a tiny tokenizer: the converter copies it, nothing reads the vocab
+    from tests.helpers.factories import make_tokenizer  # a tiny tokenizer: the converter copies it, nothing reads the vocab
 
     s = SYNTHETIC[SHAPE]
     dest.mkdir(parents=True, exist_ok=True)
@@ -136,9 +134,8 @@ def main():
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="convert-memory-"))
     src = work / f"{SHAPE}-bf16"
     print(f"building {src} ...", flush=True)
-    build = f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r}); import convert_memory as c; " \
-            f"print(c.build_source(c.Path({str(src)!r}), {args.bin}))"
-    params = int(subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, check=True)
+    build = f"from benchmarks import convert_memory as c; print(c.build_source(c.Path({str(src)!r}), {args.bin}))"
+    params = int(subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, check=True, cwd=ROOT)
                  .stdout.split()[-1])
     jobs = [("mlx-hybrid", src, False), ("mlx-lm", src, False), ("mlx-hybrid", src, True), ("mlx-lm", src, True)]
     if args.bin:

@@ -23,10 +23,10 @@ Held-out text: the Lee corpus shipped in gensim's PyPI wheel (train_cuda/scripts
 fetches it: train.txt for calibration, heldout.txt for perplexity).
 
     python train_cuda/scripts/fetch_corpus.py corpus
-    python benchmarks/dsla_conversion.py build --source MODEL_DIR --calibration corpus/train.txt --out runs/smol-dsla
-    python benchmarks/dsla_conversion.py run --model runs/smol-dsla --text corpus/heldout.txt
+    python -m benchmarks.dsla_conversion build --source MODEL_DIR --calibration corpus/train.txt --out runs/smol-dsla
+    python -m benchmarks.dsla_conversion run --model runs/smol-dsla --text corpus/heldout.txt
     python train_cuda/scripts/real_dsla.py --base SmolLM2-135M-Instruct.Q4_1.gguf --corpus corpus --out runs/dsla
-    python benchmarks/dsla_conversion.py run --model runs/dsla/adaptive --text corpus/heldout.txt --label "..."
+    python -m benchmarks.dsla_conversion run --model runs/dsla/adaptive --text corpus/heldout.txt --label "..."
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ import mlx.core as mx
 import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-from index import render_file  # noqa: E402
-from run import device_description, slugify  # noqa: E402
+from benchmarks.index import render_file  # noqa: E402
+from benchmarks.run import device_description, slugify  # noqa: E402
 
 from mlx_hybrid.adaptive import ConversionPolicy, cache_nbytes, format_bytes, parse_budget, request_chunks  # noqa: E402
 from mlx_hybrid.errors import HybridError  # noqa: E402
@@ -125,7 +124,7 @@ def build(a) -> int:
     shutil.copytree(a.source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.json.tmp"))
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    command = "python benchmarks/dsla_conversion.py " + shlex.join(sys.argv[1:])
+    command = "python -m benchmarks.dsla_conversion " + shlex.join(sys.argv[1:])
     (tmp / "entropy.json").write_text(json.dumps({"entropy": entropy, "order": order, "command": command}, indent=1) + "\n")
     if a.out.exists():
         shutil.rmtree(a.out)
@@ -189,7 +188,7 @@ def run(a) -> int:
     slug = slugify(f"dsla-conversion-{name}-{label}")
     out = a.results / f"{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/dsla_conversion.py run " + shlex.join(sys.argv[2:])
+    command = "python -m benchmarks.dsla_conversion run " + shlex.join(sys.argv[2:])
     built = a.model / "entropy.json"  # written by `build` or real_dsla.py
     build_command = json.loads(built.read_text()).get("command") if built.is_file() else None
     result = dict(date=time.strftime("%Y-%m-%d"), name=name, label=label, device=device, command=command, build=build_command,

@@ -16,7 +16,7 @@ stand-ins (`mx.depends` on every input, with the output's shape) and with the ke
 told the device is a CUDA GPU: the graphs are the ones a GPU builds. "views" move no data
 (transpose, slice, broadcast, split, reshape of a contiguous array, ...); "kernels" are the rest.
 
-    python benchmarks/graph_ops.py          # SmolLM2-135M shape (float16 and 4-bit) and the default hybrid
+    python -m benchmarks.graph_ops          # SmolLM2-135M shape (float16 and 4-bit) and the default hybrid
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from index import render_file  # noqa: E402
-from run import make_synthetic  # noqa: E402
-from speculative import write_heads  # noqa: E402
+from benchmarks.index import render_file  # noqa: E402
+from benchmarks.run import make_synthetic  # noqa: E402
+from benchmarks.speculative import write_heads  # noqa: E402
 
-from mlx_hybrid.cache import accept_on_device  # noqa: E402
+from mlx_hybrid.cache import commit  # noqa: E402
 from mlx_hybrid.default_model import default_model_path  # noqa: E402
-from mlx_hybrid.generate import prefill  # noqa: E402
+from mlx_hybrid.decode import prefill  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
 from mlx_hybrid.speculative import accept, redrafter  # noqa: E402
-from mlx_hybrid.speculative.generate import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.verify import verify  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 VIEWS = {"Transpose", "Slice", "Squeeze", "ExpandDims", "Broadcast", "Split", "AsStrided", "Reshape", "Flatten", "Unflatten"}
@@ -134,11 +134,11 @@ def measure(model, heads_dir: Path, methods: list[str]) -> dict:
             draft = proposer.draft(mx.array([3], mx.int32), hidden[0, -1])
             parts = {"draft": tally(*draft.arrays())}
             pos = mx.array([cache[0].offset], mx.int32)
-            logits, hiddens = model(draft.tokens[None], cache, return_hidden=True, tree=draft.tree.at(pos, cache[0].offset))
+            logits, hiddens = verify(model, draft.tokens[None], cache, draft.tree.at(pos, cache[0].offset))
             parts["verification forward"] = tally(logits, hiddens, *[a for c in cache for a in c.state])
             info, last = accept.greedy_rows(draft, logits[0])
             parts["acceptance"] = tally(info, last, hiddens[0, last], pos + info[:1] + 1)
-            accept_on_device(cache, info[2 : 2 + draft.rows.shape[1]], last)
+            commit(cache, info[2 : 2 + draft.rows.shape[1]], last)
             parts["cache moves"] = tally(*[a for c in cache for a in c.state])
             out[method] = dict(parts, nodes=len(draft.tokens))
     return out

@@ -11,8 +11,8 @@ layers) after a short real prefill (recurrent layers): a decode step's cost depe
 cache's size, not its contents, and a real 16k-token prefill would take the CPU hours. Cache
 memory is the bytes the caches hold per sequence.
 
-    python benchmarks/hybrid_context.py --shape smollm2-135m
-    python benchmarks/hybrid_context.py --shape llama-3.2-1b --dtype bfloat16 --label "NVIDIA H100, MLX CUDA backend"
+    python -m benchmarks.hybrid_context --shape smollm2-135m
+    python -m benchmarks.hybrid_context --shape llama-3.2-1b --dtype bfloat16 --label "NVIDIA H100, MLX CUDA backend"
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ import mlx.nn as nn
 import mlx.utils
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-from index import render_file  # noqa: E402
-from run import SYNTHETIC, device_description, slugify  # noqa: E402
+from benchmarks.index import render_file  # noqa: E402
+from benchmarks.run import SYNTHETIC, device_description, slugify  # noqa: E402
 
 from mlx_hybrid.models import hybrid, llama  # noqa: E402
 
@@ -187,7 +186,7 @@ def main(argv=None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
     if "--out" in args:  # where this run wrote its files is not part of how to reproduce it
         del args[args.index("--out") : args.index("--out") + 2]
-    command = "python benchmarks/hybrid_context.py " + shlex.join(args)
+    command = "python -m benchmarks.hybrid_context " + shlex.join(args)
     result = dict(date=time.strftime("%Y-%m-%d"), shape=a.shape, dtype=dtype_name, device=device, label=label,
                   command=command.strip(), steps=a.steps, config=cfg, rows=rows)
     out.write_text(json.dumps(result, indent=2))

@@ -5,8 +5,8 @@ Benchmarks write only their result files (JSON, and a PNG beside some); the READ
 this script's, between `<!-- table:NAME -->` and `<!-- /table:NAME -->`: the index of every result
 file, and one table per benchmark. Prose outside the markers is never touched.
 
-    python benchmarks/index.py            # rewrite the tables
-    python benchmarks/index.py --check    # exit 1 if the README's tables differ from what the files give
+    python -m benchmarks.index            # rewrite the tables
+    python -m benchmarks.index --check    # exit 1 if the README's tables differ from what the files give
 
 A file's date is the `timestamp` / `date` / `created` it records, else the date of the last commit
 that changed it (renames followed), else its modification time. Paths outside the checkout appear
@@ -114,9 +114,10 @@ def load_results(results: Path = RESULTS) -> list[Result]:
 
 
 def show_command(command: str, drop: str | None = None) -> str:
-    """The command with paths outside the checkout shortened to their last component (and without
-    option `drop` and its value, where a table shows that value itself)."""
-    words = shlex.split(command)
+    """The command as it runs from the checkout's root: a benchmark script as its module
+    (`python -m benchmarks.run`), paths outside the checkout shortened to their last component,
+    and without option `drop` and its value, where a table shows that value itself."""
+    words = shlex.split(re.sub(r"(?:\S*/)?benchmarks/((?:gpu/)?\w+)\.py", lambda m: "-m benchmarks." + m.group(1).replace("/", "."), command))
     if drop in words:
         del words[words.index(drop) : words.index(drop) + 2]
     for i, w in enumerate(words):
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
     new = regenerate(text, load_results())
     if args.check:
         if new != text:
-            print(f"{args.readme} is stale: run python benchmarks/index.py", file=sys.stderr)
+            print(f"{args.readme} is stale: run python -m benchmarks.index", file=sys.stderr)
             return 1
         return 0
     if new != text:

@@ -18,8 +18,8 @@ matmuls, the placed-tree pass compiled or eager), the variants interleaved in 3 
 decode step and passes in 5 rounds, each split into the host's building, dispatching and waiting
 (a loop that waits is bound by the device, one that does not by the host).
 
-    python benchmarks/pass_cost.py benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes | --split]
-    python benchmarks/pass_cost.py mlx_hybrid/data/default
+    python -m benchmarks.pass_cost benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes | --split]
+    python -m benchmarks.pass_cost mlx_hybrid/data/default
 """
 import argparse, sys, time, json
 from pathlib import Path
@@ -27,15 +27,17 @@ from statistics import median
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import synthetic_target
+from benchmarks.speculative import synthetic_target
 from mlx_hybrid.loader import load_model
-from mlx_hybrid.generate import generate_step, prefill, generation_stream
-from mlx_hybrid.speculative.generate import _greedy_passes, load_proposer
+from mlx_hybrid.decode import generate_step, prefill, generation_stream
+from mlx_hybrid.speculative.proposer import load_proposer
+from mlx_hybrid.speculative.steps import _greedy_passes
+from mlx_hybrid.speculative import verify
+from mlx_hybrid import attention
 from mlx_hybrid.speculative import accept
-from mlx_hybrid.speculative.tree import Tree
-from mlx_hybrid.cache import accept_path, trim_cache
-from mlx_hybrid.models import linear, llama
+from mlx_hybrid.tree_mask import TreeMask
+from mlx_hybrid.cache import commit, trim_cache
+from mlx_hybrid.models import linear
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 
@@ -110,29 +112,30 @@ with mx.stream(generation_stream):
                 trim_cache(cache, cache[0].offset - 256)
         print(json.dumps(out, indent=1)); sys.exit()
     # The pass's variants, interleaved in rounds: the projections on the row kernel or (rows 0)
-    # on MLX's matmuls, with and without the compiled placed-tree pass (llama.Model).
+    # on MLX's matmuls, with and without the compiled placed-tree pass (`verify`).
     variants = [(f"_rows{rb}{'' if c else '_eager'}", rb, c) for rb in (0, linear.ROWS) for c in (True, False)]
     for r in range(3 if passes_only else 1):
         for suffix, rb, compiled in variants if passes_only else [("", linear.ROWS, True)]:
-            saved = linear.ROWS, llama.Model._compiles_placed_trees
-            linear.ROWS, model._placed_tree_fn = rb, None  # traced anew under this limit
+            saved = linear.ROWS, verify.compiles
+            linear.ROWS = rb
+            verify._COMPILED.clear()  # traced anew under this limit
             if not compiled:
-                llama.Model._compiles_placed_trees = lambda self, cache: False
+                verify.compiles = lambda model, cache: False
             pipelined(suffix + (f"_r{r}" if passes_only else ""))
-            linear.ROWS, llama.Model._compiles_placed_trees = saved
+            linear.ROWS, verify.compiles = saved
     if passes_only:
         print(json.dumps(out, indent=1)); sys.exit()
     def fwd(tokens, tree):
         def f():
-            lg = model(tokens[None], cache, tree=tree) if tree is not None else model(tokens[None], cache)
+            lg = model(tokens[None], cache, mask=tree)
             mx.eval(lg)
-            accept_path(cache, []) if tree is not None else [c.trim(tokens.shape[0]) for c in cache]
+            commit(cache, []) if tree is not None else [c.trim(tokens.shape[0]) for c in cache]
         return f
     out["T1_decode"] = ms(fwd(mx.array([5]), None))
     for T in (8, 17, 34, 64):
         toks = mx.array(rng.integers(0, V, T))
         par = [-1] + [(t - 1) // 2 for t in range(1, T)]
-        for shape, tree in (("chain", Tree.chain(T)), ("tree", Tree.from_parents(par))):
+        for shape, tree in (("chain", TreeMask.chain(T)), ("tree", TreeMask.from_parents(par))):
             if kernel_backend():
                 out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
                 # every projection on MLX's matmul, then every one on the row kernel
@@ -140,9 +143,9 @@ with mx.stream(generation_stream):
                     rows, linear.ROWS = linear.ROWS, rows
                     out[f"T{T}_{shape}_kernel{suffix}"] = ms(fwd(toks, tree))
                     linear.ROWS = rows
-            kernel, llama.tree_kernel = llama.tree_kernel, lambda *args: None
+            kernel, attention.tree_kernel = attention.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
-            llama.tree_kernel = kernel
+            attention.tree_kernel = kernel
     # sdpa alone
     H, KV, D = model.args.num_attention_heads, model.args.num_key_value_heads, model.args.head_dim
     for T in (1, 34):
@@ -203,13 +206,13 @@ with mx.stream(generation_stream):
         dr = p.draft(root, hidden); mx.eval(dr.arrays())
         out[f"{method}_T"] = len(dr.tokens)
         def verify_accept():
-            lg, hs = model(dr.tokens[None], cache, return_hidden=True, tree=dr.tree)
-            info, last = accept.greedy_rows(dr, lg[0]); info.tolist(); accept_path(cache, [])
+            lg, hs = model(dr.tokens[None], cache, mask=dr.tree, return_hidden=True)
+            info, last = accept.greedy_rows(dr, lg[0]); info.tolist(); commit(cache, [])
         out[f"{method}_verify_accept"] = ms(verify_accept)
         for path in ([0], [0, 1, 2], [0, 2, 5]):
             def comp():
-                lg = model(dr.tokens[None], cache, tree=dr.tree); mx.eval(lg)
-                t = time.perf_counter(); accept_path(cache, path); mx.eval([c.keys for c in cache]); b = time.perf_counter() - t
+                lg = model(dr.tokens[None], cache, mask=dr.tree); mx.eval(lg)
+                t = time.perf_counter(); commit(cache, path); mx.eval([c.keys for c in cache]); b = time.perf_counter() - t
                 for c in cache: c.trim(len(path))
                 return b
             comp(); out[f"{method}_compact_{path}"] = round(1000 * median(comp() for _ in range(10)), 3)

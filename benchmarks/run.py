@@ -7,11 +7,11 @@ the SAME backend in ONE process, on the SAME fixed-seed random prompt, greedy, e
 warm-up each, the timed trials are interleaved (ours, mlx-lm, ours, mlx-lm, ...) so that drift
 (thermals, other load) hits both alike. Medians are reported.
 
-    python benchmarks/run.py --synthetic smollm2-135m
-    python benchmarks/run.py --model path/to/hf-model --variants fp16,4bit --label "NVIDIA H100, MLX CUDA backend"
+    python -m benchmarks.run --synthetic smollm2-135m
+    python -m benchmarks.run --model path/to/hf-model --variants fp16,4bit --label "NVIDIA H100, MLX CUDA backend"
 
 Writes --out (JSON with every raw number) and a PNG next to it, and prints a table;
-`python benchmarks/index.py` then regenerates benchmarks/README.md's tables from the result files.
+`python -m benchmarks.index` then regenerates benchmarks/README.md's tables from the result files.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _variants(text):
 
 def parse_args(argv):
     p = _Parser(
-        prog="python benchmarks/run.py",
+        prog="python -m benchmarks.run",
         description="mlx-hybrid vs mlx-lm: prefill/decode tokens/s and peak memory on the same weights.",
     )
     src = p.add_mutually_exclusive_group(required=True)
@@ -196,11 +196,7 @@ def make_synthetic(name: str, dest: Path, seed: int) -> Path:
 
     hf_logging.disable_progress_bar()
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from factories import make_tokenizer
-    finally:
-        sys.path.pop(0)
+    from tests.helpers.factories import make_tokenizer
 
     dest.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(dest)
@@ -511,7 +507,7 @@ def print_table(console, result: dict):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    command = "python benchmarks/run.py " + shlex.join(argv)
+    command = "python -m benchmarks.run " + shlex.join(argv)
 
     # Input checks before the heavy imports.
     src_config = None
@@ -672,7 +668,7 @@ def main(argv=None) -> int:
     for variant, v in result["variants"].items():
         if not v["tokens_match"]:
             console.print(f"[yellow]{variant}: the runtimes' greedy tokens differ from token {v['first_mismatch']} on")
-    console.print(f"wrote {out} and {png}; python benchmarks/index.py puts them in benchmarks/README.md")
+    console.print(f"wrote {out} and {png}; python -m benchmarks.index puts them in benchmarks/README.md")
     return 0
 
 

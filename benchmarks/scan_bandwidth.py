@@ -16,8 +16,8 @@ starts; the time is mx.eval of the batch over the number of calls, median of --r
 On a GPU with a kernel this times the kernel; elsewhere `selective_scan` is the pure-MLX
 reference, and the script says so (and skips the states above --max-state-mb, default 64 there).
 
-    python benchmarks/scan_bandwidth.py
-    python benchmarks/scan_bandwidth.py --reps 5 --max-state-mb 16
+    python -m benchmarks.scan_bandwidth
+    python -m benchmarks.scan_bandwidth --reps 5 --max-state-mb 16
 
 Writes benchmarks/results/scan-bandwidth-<device>.json and prints its table.
 """
@@ -36,8 +36,8 @@ import mlx.core as mx
 
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.scan import selective_scan
-from index import render_file
-from run import device_description, slugify
+from benchmarks.index import render_file
+from benchmarks.run import device_description, slugify
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 2**20

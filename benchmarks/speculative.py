@@ -19,8 +19,8 @@ the target's first --draft-layers layers: acceptance is then low and the numbers
 not the speedup trained heads give. --medusa-sizes 16,24 adds a Medusa row per tree size and
 --beam 4x5,2x5 a ReDrafter row per beam, side by side with the rest.
 
-    python benchmarks/speculative.py --synthetic smollm2-135m
-    python benchmarks/speculative.py --model path/to/model --label "NVIDIA H100, MLX CUDA backend"
+    python -m benchmarks.speculative --synthetic smollm2-135m
+    python -m benchmarks.speculative --model path/to/model --label "NVIDIA H100, MLX CUDA backend"
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ import mlx.core as mx
 import mlx.utils
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-from index import render_file  # noqa: E402
-from run import SYNTHETIC, device_description, make_synthetic, slugify  # noqa: E402
+from benchmarks.index import render_file  # noqa: E402
+from benchmarks.run import SYNTHETIC, device_description, make_synthetic, slugify  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
-from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
+from mlx_hybrid.decode import generate_step  # noqa: E402
+from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
-from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
+from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.steps import speculative_steps  # noqa: E402
 from mlx_hybrid.speculative.load import target_dtype  # noqa: E402
 from mlx_hybrid.tune import PROMPTS_FILE  # noqa: E402
 
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
         speedup = median(t["tps"] / p for t, p in zip(ts, plain))  # paired: each trial against its own plain run
         per_step = median(t["tokens_per_step"] for t in ts) if "plain" not in name else 1.0
         rows.append(dict(method=name, tps=tps, speedup=speedup, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
-    command = "python benchmarks/speculative.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.speculative " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
                   dtype=target_dtype(ours), prompts=prompt_desc, args={k: str(v) for k, v in vars(args).items()},
                   rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -8,7 +8,7 @@ weights, each method's untuned default, a grid of fixed settings, and the profil
 are warmed up once and interleaved over --trials (median tokens/s). Run it twice: the second run
 says the profile was reused.
 
-    python benchmarks/tune.py --model DIR --label "NVIDIA H100, MLX CUDA backend"
+    python -m benchmarks.tune --model DIR --label "NVIDIA H100, MLX CUDA backend"
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-from index import render_file  # noqa: E402
-from run import device_description, slugify  # noqa: E402
+from benchmarks.index import render_file  # noqa: E402
+from benchmarks.run import device_description, slugify  # noqa: E402
 
 from mlx_hybrid.loader import load  # noqa: E402
 from mlx_hybrid.profiles import Settings, load_profile, profile_path, save_profile  # noqa: E402
-from mlx_hybrid.speculative.generate import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
 from mlx_hybrid.tune import PROMPTS_FILE, calibration_prompts, decode_speed, plot, tune  # noqa: E402
 
 FIXED = {
@@ -131,7 +130,7 @@ def main(argv=None) -> int:
 
     device = device_description()
     label = args.label or device["default_label"]
-    command = "python benchmarks/tune.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.tune " + shlex.join(argv if argv is not None else sys.argv[1:])
     slug = slugify(f"tune {args.model.name} {label}")
     out_dir = BENCH_DIR / "results"
     out_dir.mkdir(exist_ok=True)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from factories import make_hybrid_dir
+from tests.helpers.factories import make_hybrid_dir
 from safetensors.torch import save_file
 from test_cli import assert_one_line_error, run
 
@@ -254,14 +254,10 @@ def test_cli_chat_footer_shows_conversion_and_kv_memory(monkeypatch, capsys, dir
 def test_benchmark_entropy_ranking_matches_transformers(tmp_path):
     """benchmarks/dsla_conversion.py ranks layers by the final query's attention entropy: equal to
     the entropy of transformers' own attention weights (eager attention, output_attentions)."""
-    import sys
-    from pathlib import Path
-
-    from factories import make_hf_model_dir
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from dsla_conversion import attention_entropy
+    from benchmarks.dsla_conversion import attention_entropy
+    from tests.helpers.factories import make_hf_model_dir
 
     path = make_hf_model_dir(tmp_path / "m", seed=6, num_hidden_layers=4)
     model, _ = load(path, "float32")

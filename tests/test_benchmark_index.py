@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from index import load_results, show_command  # noqa: E402
+from benchmarks.index import load_results, show_command
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_readme_tables_are_the_result_files():
-    out = subprocess.run([sys.executable, str(BENCH / "index.py"), "--check"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.index", "--check"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
 
 
@@ -24,7 +24,7 @@ def test_every_result_has_a_benchmark_and_a_date():
 
 
 def test_commands_show_outside_paths_by_their_last_component():
-    cmd = "python benchmarks/run.py --model /scratch/x/SmolLM2 --label 'NVIDIA H100, MLX CUDA backend' --note 'a b'"
-    assert show_command(cmd, drop="--note") == "python benchmarks/run.py --model SmolLM2 --label 'NVIDIA H100, MLX CUDA backend'"
-    inside = str(BENCH / "chat_prompts.txt")
+    cmd = "python -m benchmarks.run --model /scratch/x/SmolLM2 --label 'NVIDIA H100, MLX CUDA backend' --note 'a b'"
+    assert show_command(cmd, drop="--note") == "python -m benchmarks.run --model SmolLM2 --label 'NVIDIA H100, MLX CUDA backend'"
+    inside = str(ROOT / "benchmarks" / "chat_prompts.txt")
     assert show_command(f"python x.py {inside}") == "python x.py benchmarks/chat_prompts.txt"

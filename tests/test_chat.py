@@ -1,7 +1,7 @@
 """ChatSession keeps history in the KV cache; every turn must equal a fresh run on the full history."""
 
 import pytest
-from factories import make_hf_model_dir
+from tests.helpers.factories import make_hf_model_dir
 
 from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.generate import stream_generate

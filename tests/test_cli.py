@@ -5,7 +5,7 @@ import json
 import sys
 
 import pytest
-from factories import make_hf_model_dir
+from tests.helpers.factories import make_hf_model_dir
 
 from mlx_hybrid.chat import ChatSession
 from mlx_hybrid.cli.main import main

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from factories import CORPUS, make_hf_model_dir, make_hybrid_dir
+from tests.helpers.factories import CORPUS, make_hf_model_dir, make_hybrid_dir
 from safetensors.torch import save_file
 from test_cli import assert_one_line_error, run
 from tokenizers import Tokenizer

@@ -16,7 +16,7 @@ import mlx_lm
 import numpy as np
 import pytest
 import torch
-from factories import make_hf_model_dir
+from tests.helpers.factories import make_hf_model_dir
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize

@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import make_hf_model_dir, make_hybrid_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from speculative import write_heads  # noqa: E402
+from benchmarks.speculative import write_heads
+from mlx_hybrid.loader import load_model
+from tests.helpers.factories import make_hf_model_dir, make_hybrid_dir
 
-from mlx_hybrid.loader import load_model  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_ops.py"
+ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 4
 
 
@@ -30,7 +28,7 @@ def test_pass_adds_few_ops_to_a_decode_step(tmp_path, kind):
         path, _ = make_hybrid_dir(tmp_path / "m", ["attention", "mamba", "mamba2", "attention"], seed=1)
         attention = 2
     write_heads(path, load_model(path, "float32"), seed=0, draft_layers=1)
-    out = subprocess.run([sys.executable, str(SCRIPT), "--model", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.graph_ops", "--model", str(path)], capture_output=True, text=True, check=True, cwd=ROOT)
     counts = json.loads(out.stdout)
     step = counts["plain step"][0]
     for method in ("medusa", "redrafter"):

@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-import torch_hybrid
-from factories import make_hybrid_dir
+from tests.helpers import torch_hybrid
+from tests.helpers.factories import make_hybrid_dir
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import generate, stream_generate

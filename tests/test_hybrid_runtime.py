@@ -9,7 +9,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import make_hybrid_dir
+from tests.helpers.factories import make_hybrid_dir
 
 from mlx_hybrid.cache import KVCache, StateCache
 from mlx_hybrid.chat import ChatSession

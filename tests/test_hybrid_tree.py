@@ -10,8 +10,8 @@ leaves. Same float32 model on both sides, only summation order differs: atol 1e-
 import mlx.core as mx
 import numpy as np
 import pytest
-import cuda_emulator
-from factories import GPU_BACKENDS, check_placed_against_eager, make_hybrid_dir, took_compiled_pass
+from tests.helpers import cuda_emulator
+from tests.helpers.factories import GPU_BACKENDS, check_placed_against_eager, make_hybrid_dir, took_compiled_pass
 
 from mlx_hybrid.cache import StateCache
 from mlx_hybrid.loader import load_model

@@ -6,12 +6,12 @@ bias instead)."""
 
 from importlib import resources
 
-import cuda_emulator
+from tests.helpers import cuda_emulator
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from factories import GPU_BACKENDS, make_hf_model_dir
+from tests.helpers.factories import GPU_BACKENDS, make_hf_model_dir
 
 from mlx_hybrid.decode import prefill
 from mlx_hybrid.kernels import kernel_backend

@@ -12,7 +12,7 @@ import mlx_lm
 import numpy as np
 import pytest
 import torch
-from factories import make_hf_model_dir
+from tests.helpers.factories import make_hf_model_dir
 from mlx_lm import convert
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 

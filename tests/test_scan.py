@@ -12,8 +12,8 @@ import mlx.utils as nn_utils
 import numpy as np
 import pytest
 
-import cuda_emulator
-from factories import GPU_BACKENDS
+from tests.helpers import cuda_emulator
+from tests.helpers.factories import GPU_BACKENDS
 
 from mlx_hybrid.scan import selective_scan, selective_scan_kernel, selective_scan_ref
 

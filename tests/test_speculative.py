@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-import cuda_emulator
-from factories import make_hf_model_dir, make_hybrid_dir, took_compiled_pass
+from tests.helpers import cuda_emulator
+from tests.helpers.factories import make_hf_model_dir, make_hybrid_dir, took_compiled_pass
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_hybrid.errors import HybridError

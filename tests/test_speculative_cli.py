@@ -6,7 +6,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from factories import make_hf_model_dir
+from tests.helpers.factories import make_hf_model_dir
 from mlx.utils import tree_flatten
 from test_cli import assert_one_line_error, run
 

@@ -12,8 +12,8 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-import cuda_emulator
-from factories import GPU_BACKENDS, check_placed_against_eager, make_hf_model_dir, took_compiled_pass
+from tests.helpers import cuda_emulator
+from tests.helpers.factories import GPU_BACKENDS, check_placed_against_eager, make_hf_model_dir, took_compiled_pass
 
 from mlx_hybrid.cache import KVCache, commit
 from mlx_hybrid.loader import load_model

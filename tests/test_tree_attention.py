@@ -8,11 +8,11 @@ the kernel skips them instead of comparing the reference to itself.
 
 from importlib import resources
 
-import cuda_emulator
+from tests.helpers import cuda_emulator
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import GPU_BACKENDS, make_hf_model_dir
+from tests.helpers.factories import GPU_BACKENDS, make_hf_model_dir
 
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model

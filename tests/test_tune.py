@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from test_cli import assert_one_line_error, run
-from test_speculative_cli import model_dir  # noqa: F401  (fixture: a target with medusa/, redrafter/, draft/)
+from tests.test_speculative_cli import model_dir  # noqa: F401  (fixture: a target with medusa/, redrafter/, draft/)
 
 from mlx_hybrid import profiles
 from mlx_hybrid.decode import generate_step

@@ -8,7 +8,7 @@ head trained on, each row keeping its prompt); those that are also the benchmark
 the quickest Medusa tree among 16 to 63 nodes on the H100 (a bigger tree costs more pass time than
 its extra accepted tokens bring).
 
-    python benchmarks/gpu/calibrate.py OUTDIR/llama-target OUTDIR/heads/chat-heldout.jsonl [--nodes 24]
+    python -m benchmarks.gpu.calibrate OUTDIR/llama-target OUTDIR/heads/chat-heldout.jsonl [--nodes 24]
 """
 import argparse
 import json

@@ -8,11 +8,10 @@ a directory with medusa/ and redrafter/, or a new one: random weights, untrained
 A speculative pass on a fast host is bound by the host's dispatch (`pass_phases.py`): this says
 which of its ops cost the host most. Prints JSON.
 
-    python benchmarks/gpu/dispatch_cost.py [--graphs DIR] > dispatch.json
+    python -m benchmarks.gpu.dispatch_cost [--graphs DIR] > dispatch.json
 """
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -95,13 +94,14 @@ def micro() -> dict:
 
 def graphs(d: Path) -> dict:
     """Node kinds of what a decode step and each method's pass dispatch (`mx.export_to_dot`)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from speculative import synthetic_target
+    from benchmarks.speculative import synthetic_target
 
-    from mlx_hybrid.generate import SamplingParams, generate_step
+    from mlx_hybrid.decode import generate_step
+    from mlx_hybrid.sampling import SamplingParams
     from mlx_hybrid.loader import load_model
     from mlx_hybrid.profiles import Settings
-    from mlx_hybrid.speculative.generate import load_proposer, speculative_steps
+    from mlx_hybrid.speculative.proposer import load_proposer
+    from mlx_hybrid.speculative.steps import speculative_steps
 
     d = synthetic_target(d)
     model = load_model(d)

@@ -8,8 +8,8 @@ model step of one token (ours, mlx-lm's), and a target forward over K + 1 tokens
 loop verifies, through the tree path with a chain; ours without a tree; mlx-lm's).
 Part 2, the loop as `speculative.py` runs it (64 tokens, a warm-up run then 2): each iteration's
 gap between yields, split into drafting (`DraftProposer.propose`, which waits for its tokens),
-building the target's pass, acceptance (`accept.greedy`, which waits for the pass) and the cache
-moves (`accept_path`).
+building the target's pass (`verify`), acceptance (`accept.greedy`, which waits for the pass) and
+the cache moves (`commit`).
 Part 3, the prompts in turn as `speculative.py` runs them (3 chat questions, a warm-up round then
 2), the draft keeping its cache from one prompt to the next: each run's tokens a second and its
 slowest passes, with the draft's prompt read (`prefill`) and its several-token re-reads split out.
@@ -18,11 +18,10 @@ MODEL: a directory with draft/ (or a new one: `speculative.py`'s synthetic targe
 target whose draft is all of it (a draft that agrees often, so it re-reads): `make_synthetic`
 (benchmarks/run.py) then `write_heads(d, load_model(d), 0, 30)` (benchmarks/speculative.py).
 
-    python benchmarks/gpu/draft_phases.py OUTDIR/llama-target draft-phases.json [K]
+    python -m benchmarks.gpu.draft_phases OUTDIR/llama-target draft-phases.json [K]
 """
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from statistics import median
@@ -30,19 +29,19 @@ from statistics import median
 import mlx.core as mx
 import mlx.utils
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
+from benchmarks.speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phases import iterations, log, stamped  # noqa: E402
+from benchmarks.gpu.phases import iterations, log, stamped  # noqa: E402
 
-import mlx_hybrid.speculative.generate as loop  # noqa: E402
+import mlx_hybrid.speculative.steps as loop  # noqa: E402
 from mlx_hybrid.chat import render_chat  # noqa: E402
-from mlx_hybrid.generate import SamplingParams, prefill  # noqa: E402
+from mlx_hybrid.decode import prefill  # noqa: E402
+from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
-from mlx_hybrid.speculative import accept  # noqa: E402
+from mlx_hybrid.cache import commit  # noqa: E402
+from mlx_hybrid.speculative import accept, load_proposer  # noqa: E402
 from mlx_hybrid.speculative.load import target_dtype  # noqa: E402
-from mlx_hybrid.speculative.tree import Tree  # noqa: E402
+from mlx_hybrid.tree_mask import TreeMask  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("model", type=Path)
@@ -52,7 +51,7 @@ args = p.parse_args()
 d, out_path, K = synthetic_target(args.model), args.out, args.k
 model = load_model(d)
 prompt = render_chat(load_tokenizer(d), [{"role": "user", "content": CHAT_PROMPTS.read_text().splitlines()[0]}])
-proposer = loop.load_proposer("draft", model, d, num_draft=K)
+proposer = load_proposer("draft", model, d, num_draft=K)
 
 
 def lm_load(path):
@@ -98,11 +97,10 @@ ours_tc, lm_tc = primed(model, model.make_cache()), lm_primed(lm_target)
 
 
 def step_and_trim(m, cache, x, tree=None):
-    y = m(x, cache) if tree is None else m(x, cache, tree=tree)
+    y = m(x, cache, mask=tree)
     mx.eval(mx.argmax(y[0, -1]))
     if tree is not None:
-        for c in cache:
-            c.pending = None
+        commit(cache, [])  # none of the tree kept
     else:
         for c in cache:
             c.trim(x.shape[1])
@@ -111,7 +109,7 @@ def step_and_trim(m, cache, x, tree=None):
 ops = {
     "ours draft step (1 token)": ms(lambda: step_and_trim(proposer.model, ours_dc, tok1)),
     "mlx-lm draft step (1 token)": ms(lambda: step_and_trim(lm_draft, lm_dc, tok1)),
-    f"ours verify, chain tree ({K + 1} tokens)": ms(lambda: step_and_trim(model, ours_tc, toks, Tree.chain(K + 1))),
+    f"ours verify, chain tree ({K + 1} tokens)": ms(lambda: step_and_trim(model, ours_tc, toks, TreeMask.chain(K + 1))),
     f"ours forward, no tree ({K + 1} tokens)": ms(lambda: step_and_trim(model, ours_tc, toks)),
     f"mlx-lm forward ({K + 1} tokens)": ms(lambda: step_and_trim(lm_target, lm_tc, toks)),
 }
@@ -119,11 +117,10 @@ print(json.dumps(ops, indent=1))
 
 
 
-cls = type(model)
-cls.__call__ = stamped("build", cls.__call__, only=model)
+loop.verify = stamped("build", loop.verify)
 proposer.propose = stamped("draft", proposer.propose)
 accept.greedy = stamped("accept", accept.greedy)
-loop.accept_path = stamped("cache", loop.accept_path)
+loop.commit = stamped("cache", loop.commit)
 
 
 def logged_run(p):

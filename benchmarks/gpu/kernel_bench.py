@@ -8,14 +8,13 @@ the kernel durations CUPTI records (PyTorch's profiler) over 40 calls, in micros
 kernel under each weight rows/simdgroups setting. Run it under another checkout's package (PYTHONPATH) for
 an A/B of the kernels with one signature. Prints JSON.
 
-    python3 benchmarks/gpu/kernel_bench.py [--sweep]
+    python3 -m benchmarks.gpu.kernel_bench [--sweep]
 """
 
 import argparse
 import json
 import sys
 from collections import defaultdict
-from pathlib import Path
 from statistics import median
 
 import torch  # first: its CUDA libraries load before MLX's
@@ -23,8 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import mlx.core as mx  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_profile import device_events  # noqa: E402
+from benchmarks.gpu.kernel_profile import device_events  # noqa: E402
 
 from mlx_hybrid import tree_attention as ta  # noqa: E402
 from mlx_hybrid.models import linear  # noqa: E402

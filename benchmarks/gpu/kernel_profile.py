@@ -12,7 +12,7 @@ time is bound by the device.
 MODEL: a model directory with its medusa/ and/or redrafter/, or a new directory for random
 weights in SmolLM2-135M's shape with untrained heads (`speculative.py`'s). Prints JSON.
 
-    python benchmarks/gpu/kernel_profile.py OUTDIR/llama-target [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12] [--sequence]
+    python -m benchmarks.gpu.kernel_profile OUTDIR/llama-target [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12] [--sequence]
 """
 
 import argparse
@@ -29,14 +29,14 @@ from torch.profiler import ProfilerActivity, profile
 import mlx.core as mx  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH))
-from speculative import synthetic_target  # noqa: E402
+from benchmarks.speculative import synthetic_target  # noqa: E402
 
 from mlx_hybrid.cache import trim_cache  # noqa: E402
-from mlx_hybrid.generate import generate_step, generation_stream, prefill  # noqa: E402
+from mlx_hybrid.decode import generate_step, generation_stream, prefill  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
-from mlx_hybrid.speculative.generate import _greedy_passes, load_proposer  # noqa: E402
+from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.steps import _greedy_passes  # noqa: E402
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 

@@ -11,30 +11,28 @@ MODEL: a directory with medusa/ and redrafter/ (or a new one: random weights in 
 shape, `speculative.py`'s untrained heads); PROMPT: chat (the benchmark's first held-out chat
 question, in the chat template) or a number of random tokens.
 
-    python benchmarks/gpu/pass_phases.py MODEL chat|N OUT [TOKENS]
-    python benchmarks/gpu/pass_phases.py OUTDIR/llama-target chat pass-phases.json
+    python -m benchmarks.gpu.pass_phases MODEL chat|N OUT [TOKENS]
+    python -m benchmarks.gpu.pass_phases OUTDIR/llama-target chat pass-phases.json
 """
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from statistics import median
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
+from benchmarks.speculative import CHAT_PROMPTS, synthetic_target  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phases import iterations, log, stamped  # noqa: E402
+from benchmarks.gpu.phases import iterations, log, stamped  # noqa: E402
 
-import mlx_hybrid.speculative.generate as loop  # noqa: E402
+import mlx_hybrid.speculative.steps as loop  # noqa: E402
 from mlx_hybrid.chat import render_chat  # noqa: E402
-from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
+from mlx_hybrid.decode import generate_step  # noqa: E402
+from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
-from mlx_hybrid.speculative import accept  # noqa: E402
+from mlx_hybrid.speculative import accept, load_proposer  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("model", type=Path)
@@ -51,16 +49,15 @@ else:
 
 
 
-cls = type(model)
-cls.__call__ = stamped("build", cls.__call__)
+loop.verify = stamped("build", loop.verify)
 accept.greedy_rows = stamped("accept", accept.greedy_rows)
-loop.accept_on_device = stamped("cache", loop.accept_on_device)
+loop.commit = stamped("cache", loop.commit)
 loop._read = stamped("read", loop._read)
 mx.async_eval = stamped("dispatch", mx.async_eval)
 
 runs = {}
 for name, method, settings in [("medusa", "medusa", None), ("redrafter4x5", "redrafter", Settings(4, 5))]:
-    p = loop.load_proposer(method, model, d, settings=settings)
+    p = load_proposer(method, model, d, settings=settings)
     p.draft = stamped("draft", p.draft)
     runs[name] = (lambda p: lambda: (new for new, _ in loop.speculative_steps(model, p, prompt, model.make_cache(), SamplingParams())))(p)
 argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731

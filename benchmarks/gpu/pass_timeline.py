@@ -8,23 +8,23 @@ decode step's and what filling the pipeline costs at the start of a run.
 MODEL: a directory with medusa/ and redrafter/, or a new one for random weights in SmolLM2-135M's
 shape with untrained heads (`speculative.py`'s). Writes JSON to OUT.
 
-    python benchmarks/gpu/pass_timeline.py DIR pass-timeline.json
+    python -m benchmarks.gpu.pass_timeline DIR pass-timeline.json
 """
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from speculative import synthetic_target  # noqa: E402
+from benchmarks.speculative import synthetic_target  # noqa: E402
 
-from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
+from mlx_hybrid.decode import generate_step  # noqa: E402
+from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
-from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
+from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.steps import speculative_steps  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("model", type=Path)

@@ -57,14 +57,14 @@ PY
 }
 
 speculative() {  # speculative MODEL ARGS...: the benchmark's table for a trained target
-  python benchmarks/speculative.py --model "$1" --label "$label" --beam 4x5,2x5 --trials 3 --prompts 3 "${@:2}"
+  python -m benchmarks.speculative --model "$1" --label "$label" --beam 4x5,2x5 --trials 3 --prompts 3 "${@:2}"
 }
 
 if has decode; then
-  python benchmarks/run.py --synthetic smollm2-135m --label "$label"
-  python benchmarks/run.py --synthetic llama-3.2-1b --label "$label"
-  python benchmarks/scan_bandwidth.py
-  python benchmarks/hybrid_context.py --shape llama-3.2-1b --dtype bfloat16 --steps 100 --label "$label"
+  python -m benchmarks.run --synthetic smollm2-135m --label "$label"
+  python -m benchmarks.run --synthetic llama-3.2-1b --label "$label"
+  python -m benchmarks.scan_bandwidth
+  python -m benchmarks.hybrid_context --shape llama-3.2-1b --dtype bfloat16 --steps 100 --label "$label"
 fi
 
 if has heads || has llama || has hybrid; then inputs; fi
@@ -82,7 +82,7 @@ if has llama; then
     hybrid convert "$heads/draft/draft" "$target/draft" --dtype bfloat16
   fi
   grep -q medusa_choices "$target/medusa/config.json" \
-    || python benchmarks/gpu/calibrate.py "$target" "$heads/chat-heldout.jsonl" --nodes 24
+    || python -m benchmarks.gpu.calibrate "$target" "$heads/chat-heldout.jsonl" --nodes 24
   speculative "$target"
   report "$heads/report.json" train-heads-llama-target
 fi
@@ -98,4 +98,4 @@ if has hybrid; then
   report "$run/report.json" train-hybrid-target
 fi
 
-python benchmarks/index.py
+python -m benchmarks.index

@@ -2,23 +2,23 @@
 three benchmark chat questions, and plain decoding's top-2 logit margin there: an exact or
 one-step bfloat16 tie, or a real difference. In float32 they must not leave it.
 
-    python benchmarks/gpu/same_tokens.py OUTDIR/hybrid-target [float32]
+    python -m benchmarks.gpu.same_tokens OUTDIR/hybrid-target [float32]
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from speculative import CHAT_PROMPTS  # noqa: E402
+from benchmarks.speculative import CHAT_PROMPTS  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
-from mlx_hybrid.generate import SamplingParams, generate_step  # noqa: E402
+from mlx_hybrid.decode import generate_step  # noqa: E402
+from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
-from mlx_hybrid.speculative.generate import load_proposer, speculative_steps  # noqa: E402
+from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
+from mlx_hybrid.speculative.steps import speculative_steps  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("model", type=Path, help="a target with redrafter/")

@@ -3,24 +3,22 @@ shape, and the Mamba2 tree step alone: random weights in SmolLM2-135M's shape (b
 context tokens, trees of 1 + w chains of 5 below the root (ReDrafter's wx5 beams, none shared),
 each timing the median of 30 synchronous runs in ms. Prints JSON.
 
-    python benchmarks/gpu/tree_step_cost.py > tree-step-cost.json
+    python -m benchmarks.gpu.tree_step_cost > tree-step-cost.json
 """
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 from statistics import median
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from run import SYNTHETIC  # noqa: E402
+from benchmarks.run import SYNTHETIC  # noqa: E402
 
 from mlx_hybrid.kernels import kernel_backend  # noqa: E402
 from mlx_hybrid.models import hybrid  # noqa: E402
-from mlx_hybrid.speculative.tree import Tree  # noqa: E402
+from mlx_hybrid.speculative.verify import verify  # noqa: E402
+from mlx_hybrid.tree_mask import TreeMask  # noqa: E402
 
 
 def ms(fn, reps=30):
@@ -54,11 +52,11 @@ for name, kinds in (("llama", ["attention"] * n), ("hybrid", ["attention" if i %
     for width in (2, 4):
         parents = beams(width)
         tokens = mx.random.randint(0, 1000, (1, len(parents)))
-        tree = Tree.from_parents(parents)
+        tree = TreeMask.from_parents(parents)
         offset = cache[0].offset
         placed = tree.at(mx.array([offset], mx.int32), offset)
-        rows[f"{width}x5 ({len(parents)} nodes) compiled"] = ms(lambda: model(tokens, cache, tree=placed))
-        rows[f"{width}x5 ({len(parents)} nodes) eager"] = ms(lambda: model(tokens, cache, tree=tree))
+        rows[f"{width}x5 ({len(parents)} nodes) compiled"] = ms(lambda: verify(model, tokens, cache, placed))
+        rows[f"{width}x5 ({len(parents)} nodes) eager"] = ms(lambda: model(tokens, cache, mask=tree))
     out["passes"][name] = rows
     if name == "hybrid" and kernel_backend():
         layer = model.layers[1]

@@ -17,7 +17,7 @@ from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft
 
 METHODS = ("medusa", "redrafter", "draft")
-# Where each method's files are looked for inside the target model's directory (FORMAT.md).
+# Where each method's files are looked for inside the target model's directory (docs/formats/speculative-heads.md).
 SUBDIRS = {"medusa": "medusa", "redrafter": "redrafter", "draft": "draft"}
 
 

@@ -2,7 +2,7 @@
 model directory that the MLX runtime runs with any prefix of the conversion order as DSLA.
 
     python train_cuda/scripts/real_dsla.py --base BASE --corpus CORPUS_DIR --out OUT [--tiny] [--resume]
-    python benchmarks/dsla_conversion.py run --model OUT/adaptive --text CORPUS_DIR/heldout.txt --label LABEL
+    python -m benchmarks.dsla_conversion run --model OUT/adaptive --text CORPUS_DIR/heldout.txt --label LABEL
 
 BASE: a Hugging Face Llama/Mistral directory or a .gguf file (converted once into OUT/base; needs
 the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a line
@@ -90,7 +90,7 @@ def run(args) -> int:
         "phases": phases(dsla),
     }
     finish(out, report, timings, began)
-    print(f"next: python benchmarks/dsla_conversion.py run --model {adaptive} --text {args.corpus / 'heldout.txt'} --name NAME --label LABEL")
+    print(f"next: python -m benchmarks.dsla_conversion run --model {adaptive} --text {args.corpus / 'heldout.txt'} --name NAME --label LABEL")
     return 0
 
 

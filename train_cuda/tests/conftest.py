@@ -4,13 +4,10 @@ Nothing is downloaded: the tokenizer is a byte-level BPE trained on the sentence
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hybrid_train without installing it
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

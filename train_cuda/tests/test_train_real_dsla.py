@@ -19,8 +19,7 @@ from hybrid_train.teacher import load_teacher
 
 mlx_hybrid = pytest.importorskip("mlx_hybrid")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT.parent / "benchmarks"))
-from dsla_conversion import blocks  # noqa: E402
+from benchmarks.dsla_conversion import blocks  # noqa: E402  (after the skip: it imports mlx_hybrid)
 
 SEQ_LEN = 32
 

@@ -132,7 +132,7 @@ def make_hybrid_dir(
 
     import torch
     from safetensors.torch import save_file
-    from torch_hybrid import build_hybrid
+    from tests.helpers.torch_hybrid import build_hybrid
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     ssm_kinds = set(layer_types) - {"attention"}

@@ -1,0 +1,1 @@
+"""Shared test helpers: small model builders, PyTorch references and the kernel emulators."""
