@@ -2,7 +2,7 @@
 many of them as DSLA as a request needs to fit a memory budget, least sensitive first.
 
 References: the plain model (no conversion: identical tokens and logits), the PyTorch reference
-(tests/torch_hybrid.py) of the model with those layers as DSLA (logits, ATOL 1e-4 as in
+(tests/helpers/torch_hybrid.py) of the model with those layers as DSLA (logits, ATOL 1e-4 as in
 test_hybrid_parity.py: logits ~2.5, measured max |diff| ~5e-6), the existing hybrid runtime on a
 llama_hybrid directory with those layers as DSLA (greedy tokens, exact), and the caches' measured
 nbytes (the policy's estimate, exact).
@@ -18,7 +18,7 @@ import pytest
 import torch
 from tests.helpers.factories import make_hybrid_dir
 from safetensors.torch import save_file
-from test_cli import assert_one_line_error, run
+from tests.helpers.cli import assert_one_line_error, run
 
 from mlx_hybrid.adaptive import ConversionPolicy, cache_nbytes, kv_rows, parse_budget, request_cache
 from mlx_hybrid.cache import STEP, KVCache, StateCache

@@ -1,41 +1,20 @@
 """The `hybrid` command: real output on good input; one line on stderr and a non-zero exit on bad input."""
 
-import io
 import json
-import sys
 
 import pytest
-from tests.helpers.factories import make_hf_model_dir
+
 
 from mlx_hybrid.chat import ChatSession
-from mlx_hybrid.cli.main import main
 from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load
+from tests.helpers.cli import assert_one_line_error, run
+from tests.helpers.factories import make_hf_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_hf_model_dir(tmp_path_factory.mktemp("cli") / "m", seed=5)
-
-
-def run(monkeypatch, capsys, *args, stdin=None):
-    monkeypatch.setattr(sys, "argv", ["hybrid", *map(str, args)])
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    capsys.readouterr()  # drop what fixtures printed
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
-
-
-def assert_one_line_error(code, err, *fragments):
-    assert code != 0
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 def test_generate_matches_api(monkeypatch, capsys, model_dir):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tests.helpers.factories import CORPUS, make_hf_model_dir, make_hybrid_dir
 from safetensors.torch import save_file
-from test_cli import assert_one_line_error, run
+from tests.helpers.cli import assert_one_line_error, run
 from tokenizers import Tokenizer
 
 from mlx_hybrid.convert.checkpoint import open_checkpoint

@@ -1,4 +1,4 @@
-"""What is proven on CUDA (on the lent GPU, or for tree attention also in tests/cuda_emulator.py)
+"""What is proven on CUDA (on the lent GPU, or for tree attention also in tests/helpers/cuda_emulator.py)
 carries over to Metal only while each kernel's two bodies match line for line: every line, once
 the CUDA spellings are replaced by Metal's, must be the Metal line (comments aside)."""
 

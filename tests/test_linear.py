@@ -1,4 +1,4 @@
-"""mlx_hybrid.models.linear: the row kernel's CUDA body (run on the CPU by tests/cuda_emulator.py)
+"""mlx_hybrid.models.linear: the row kernel's CUDA body (run on the CPU by tests/helpers/cuda_emulator.py)
 against float64 numpy, the Linear's kernel path against nn.Linear, and on a GPU the kernels
 against the reference; on MLX's CUDA backend each row's product is the one a single-row call (a
 decode step) computes, bit for bit (without a bias: a single row with one goes to cuBLAS's fused

@@ -325,7 +325,7 @@ def test_tree_step_kernel_matches_unfused_path(backend, dtype, monkeypatch):
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
 def test_tree_step_cuda_body_on_the_cpu_matches_unfused_path(monkeypatch):
     """The GPU test above on every machine: the model code calls `ssm_step`, whose CUDA body runs
-    on the CPU (tests/cuda_emulator.py)."""
+    on the CPU (tests/helpers/cuda_emulator.py)."""
     from mlx_hybrid import scan
     from mlx_hybrid.models import hybrid
 

@@ -586,7 +586,7 @@ def test_greedy_passes_leave_the_caches_at_the_last_pass_yielded(tmp_path):
 
 def emulate_gpu_kernels(monkeypatch):
     """Send the model code down its GPU path, every kernel run by its CUDA body on the CPU
-    (tests/cuda_emulator.py), drafts uncompiled (the emulator needs real arrays) and packed beams
+    (tests/helpers/cuda_emulator.py), drafts uncompiled (the emulator needs real arrays) and packed beams
     kept at their padded size, as on a GPU."""
     from mlx_hybrid import scan, tree_attention
     from mlx_hybrid.models import hybrid

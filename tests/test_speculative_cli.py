@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from tests.helpers.factories import make_hf_model_dir
 from mlx.utils import tree_flatten
-from test_cli import assert_one_line_error, run
+from tests.helpers.cli import assert_one_line_error, run
 
 from mlx_hybrid.generate import generate
 from mlx_hybrid.loader import load

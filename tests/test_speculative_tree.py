@@ -143,7 +143,7 @@ def packed_arrays(p) -> list[np.ndarray]:
 
 
 def emulate(monkeypatch, module):
-    """`module` runs its kernels' CUDA bodies on the CPU (tests/cuda_emulator.py), as on a GPU."""
+    """`module` runs its kernels' CUDA bodies on the CPU (tests/helpers/cuda_emulator.py), as on a GPU."""
     monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")
     monkeypatch.setattr(module, "load_kernel", cuda_emulator.load_kernel)
 
@@ -193,7 +193,7 @@ def check_beam_step(got, want, case):
 
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
 def test_beam_topk_cuda_body_on_the_cpu_matches_reference(monkeypatch):
-    """The beam-step kernels' CUDA bodies (tests/cuda_emulator.py) against `beam_step_ref`: the
+    """The beam-step kernels' CUDA bodies (tests/helpers/cuda_emulator.py) against `beam_step_ref`: the
     log-normalizer merged across threads and chunks, each thread's sorted candidates, the
     pairwise merges."""
     from mlx_hybrid.speculative import topk
@@ -439,7 +439,7 @@ def test_greedy_rows_equals_host_greedy():
 
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="g++ not found: the CUDA body cannot be run on the CPU")
 def test_greedy_accept_cuda_body_on_the_cpu_matches_reference(monkeypatch):
-    """The acceptance kernel's CUDA body (tests/cuda_emulator.py) against `greedy_rows_ref`: also
+    """The acceptance kernel's CUDA body (tests/helpers/cuda_emulator.py) against `greedy_rows_ref`: also
     a tree with more rows than the block has threads, where nothing or one row is accepted (ties:
     the first row wins), and a sparse tree whose rows are padded."""
     from mlx_hybrid.speculative import accept

@@ -1,5 +1,5 @@
 """Tree attention: the MLX reference and the CUDA kernel body (run on the CPU by
-tests/cuda_emulator.py) against float64 numpy attention over each node's visible rows, the GPU
+tests/helpers/cuda_emulator.py) against float64 numpy attention over each node's visible rows, the GPU
 kernels against the reference, and a Llama verification pass with and without the kernel.
 
 The kernel parity tests call `tree_attention` with an explicit backend, so that a machine without

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from test_cli import assert_one_line_error, run
+from tests.helpers.cli import assert_one_line_error, run
 from tests.test_speculative_cli import model_dir  # noqa: F401  (fixture: a target with medusa/, redrafter/, draft/)
 
 from mlx_hybrid import profiles

@@ -120,7 +120,7 @@ HYBRID_DEFAULTS = dict(d_state=16, d_conv=4, conv_bias=True, gate_rank=16, gate_
 def make_hybrid_dir(
     path: Path, layer_types: list[str], layout: str = "ours", arch: str = "llama", seed: int = 0, **overrides
 ):
-    """A hybrid model directory built by the PyTorch reference (tests/torch_hybrid.py); returns (path, torch model).
+    """A hybrid model directory built by the PyTorch reference (tests/helpers/torch_hybrid.py); returns (path, torch model).
 
     layout "mamba_in_llama" writes a MambaInLlama release: the base model's config.json plus their
     mamba_config.json (their MambaConfig as train_distill.py fills it); it holds one SSM kind.
