@@ -77,7 +77,7 @@ def attention_entropy(model, prompts: list[list[int]]) -> list[float]:
             k = mx.repeat(apply_rope(k, attn._freqs, 0), attn.n_heads // attn.n_kv_heads, axis=1)
             p = mx.softmax((q * attn.scale) @ k.swapaxes(-1, -2), axis=-1, precise=True)
             total[i] += (-(p * mx.log(mx.maximum(p, 1e-30))).sum(-1)).mean().item()
-            h = layer(h, c)
+            h = layer(h, cache=c)
     return list(total / len(prompts))
 
 

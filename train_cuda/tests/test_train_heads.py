@@ -124,7 +124,7 @@ def test_stage_lowers_its_loss_and_reports_accuracy(tmp_path, teacher_dir, greed
         # The changed backbone stays a Llama (Hugging Face's format), which the runtime reads with its heads beside it.
         assert json.loads((tmp_path / "o" / "model" / "config.json").read_text())["model_type"] == "llama"
         from mlx_hybrid.loader import load_model
-        from mlx_hybrid.speculative.generate import load_proposer
+        from mlx_hybrid.speculative import load_proposer
 
         target = load_model(tmp_path / "o" / "model")
         assert load_proposer("medusa", target, tmp_path / "o" / "model").heads.config.medusa_num_heads == 2
@@ -206,7 +206,7 @@ def _mlx_target(teacher_dir):
 
 
 def test_medusa_export_in_the_mlx_runtime(tmp_path, teacher_dir, greedy):
-    from mlx_hybrid.generate import generate_step
+    from mlx_hybrid.decode import generate_step
     from mlx_hybrid.speculative.calibration import greedy_runs
     from mlx_hybrid.speculative.medusa import head_accuracies, load_medusa
 
