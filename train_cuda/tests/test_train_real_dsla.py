@@ -52,9 +52,9 @@ def test_real_dsla_script(tmp_path, teacher_dir, article_corpus):
     model, tokenizer = mlx_hybrid.load(adaptive, dtype="float32")
     assert model.args.dsla_order == order and model.args.dsla_max_layers == 2
     results = tmp_path / "results"
-    bench = [sys.executable, str(ROOT.parent / "benchmarks" / "dsla_conversion.py"), "run", "--model", str(adaptive),
+    bench = [sys.executable, "-m", "benchmarks.dsla_conversion", "run", "--model", str(adaptive),
              "--text", str(corpus / "heldout.txt"), "--seq-len", str(SEQ_LEN), "--label", "tiny", "--results", str(results)]
-    done = subprocess.run(bench, capture_output=True, text=True)
+    done = subprocess.run(bench, capture_output=True, text=True, cwd=ROOT.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = [json.loads(p.read_text()) for p in results.glob("*.json")]
     assert result["build"].startswith("python train_cuda/scripts/real_dsla.py --base")
