@@ -8,14 +8,12 @@ each timing the median of 30 synchronous runs in ms. Prints JSON.
 
 import json
 import sys
-import time
 from pathlib import Path
-from statistics import median
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from run import SYNTHETIC  # noqa: E402
+from run import SYNTHETIC, median_eval_ms  # noqa: E402
 
 from mlx_hybrid.kernels import kernel_backend  # noqa: E402
 from mlx_hybrid.models import hybrid  # noqa: E402
@@ -23,14 +21,7 @@ from mlx_hybrid.speculative.tree import Tree  # noqa: E402
 
 
 def ms(fn, reps=30):
-    for _ in range(3):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - t) * 1e3)
-    return round(median(times), 3)
+    return round(median_eval_ms(fn, reps), 3)
 
 
 def beams(width: int, length: int = 5) -> list[int]:
