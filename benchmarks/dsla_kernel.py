@@ -5,7 +5,8 @@ run on the device MLX runs on (a GPU with a kernel backend: CUDA or Metal).
 1. One DSLA layer in a real shape (random weights, bfloat16), in both forms (this project's and
    DSLA-Serve's): a decode step and a verification pass over a tree of 1 + 4 chains of 5 (21
    nodes, ReDrafter's 4x5 beams), after a 256-token prefix; each the median of --reps synchronous
-   calls (graph built and evaluated per call), with the kernel and unfused.
+   calls (graph built and evaluated per call), with the kernel and unfused, and the largest
+   difference of their outputs and states (bfloat16 inputs, float32 states).
 2. An adaptive model in that shape (random weights, bfloat16; every layer carries DSLA weights of
    the form) decoding greedily after a --prompt-tokens prompt, at 0%, 25% and 50% of its layers
    converted to DSLA (`make_cache`), with the kernel and unfused: decode tokens/s, best of --trials.
@@ -93,10 +94,11 @@ def layer_times(shape: str, form: str, reps: int) -> dict:
 
     rows = {}
     for name, fn in (("decode step", decode), (f"tree pass, {len(TREE)} nodes", verify)):
-        kernel = round(1e3 * median_eval_ms(fn, reps), 1)
+        kernel, got = round(1e3 * median_eval_ms(fn, reps), 1), fn()
         with unfused():
-            plain = round(1e3 * median_eval_ms(fn, reps), 1)
-        rows[name] = {"kernel_us": kernel, "unfused_us": plain, "speedup": round(plain / kernel, 2)}
+            plain, want = round(1e3 * median_eval_ms(fn, reps), 1), fn()
+        diff = max(mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max().item() for g, w in zip(got, want))
+        rows[name] = {"kernel_us": kernel, "unfused_us": plain, "speedup": round(plain / kernel, 2), "max_abs_diff": diff}
     return rows
 
 
