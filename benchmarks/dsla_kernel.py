@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import SYNTHETIC, device_description, median_eval_ms, slugify  # noqa: E402
 
 from mlx_hybrid.cache import StateCache  # noqa: E402
+from mlx_hybrid.convert.dsla_serve import FORM  # noqa: E402
 from mlx_hybrid.generate import generate_step  # noqa: E402
 from mlx_hybrid.kernels import kernel_backend  # noqa: E402
 from mlx_hybrid.models import hybrid  # noqa: E402
@@ -42,7 +43,7 @@ from mlx_hybrid.speculative.tree import Tree  # noqa: E402
 
 FORMS = {
     "ours": {},
-    "dsla-serve": dict(gate_rank=0, gate_clamp=-50.0, dsla_mix="softmax", dsla_o_norm=False),  # + dsla_kv_heads = heads
+    "dsla-serve": FORM,  # + dsla_kv_heads = heads
 }
 TREE = [-1] + [p for w in range(4) for p in [0] + [1 + 5 * w + i for i in range(4)]]  # 1 + 4 chains of 5
 RATES = (0.0, 0.25, 0.5)

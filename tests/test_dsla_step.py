@@ -18,6 +18,7 @@ from factories import GPU_BACKENDS
 
 from mlx_hybrid import dsla_step
 from mlx_hybrid.cache import StateCache
+from mlx_hybrid.convert.dsla_serve import FORM
 from mlx_hybrid.models import hybrid
 from mlx_hybrid.speculative.tree import Tree, path_to
 
@@ -25,7 +26,7 @@ PARITY_TOL = {mx.float32: (1e-4, 1e-4), mx.bfloat16: (2e-2, 2e-2)}
 # DSLA-Serve's form has as many K/V heads as query heads; this project's shares them (GQA).
 FORMS = {
     "ours": {},
-    "dsla-serve": dict(gate_rank=0, gate_clamp=-50.0, dsla_mix="softmax", dsla_o_norm=False),
+    "dsla-serve": FORM,
 }
 # Two roots, and a chain 0 -> 1 -> 3 -> 7 -> 8 that is accepted.
 TREE = [-1, 0, 0, 1, 1, 2, -1, 3, 7, 6]
