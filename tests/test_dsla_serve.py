@@ -21,7 +21,7 @@ import pytest
 import torch
 import cuda_emulator
 import dsla_serve_reference as ref
-from factories import make_tokenizer
+from factories import GPU_BACKENDS, make_tokenizer
 from safetensors.torch import save_file
 from test_cli import assert_one_line_error, run
 
@@ -100,11 +100,14 @@ def test_chunks_and_decode_steps_match_their_layer(converted, schedule, exact_fl
     assert done == len(PROMPT) and isinstance(cache[1], StateCache)
 
 
-@pytest.mark.parametrize("kernel", ["unfused", "emulated"])
-def test_tree_verification_matches_their_layer(built, converted, kernel, monkeypatch, exact_float32):
+@pytest.mark.parametrize("kernel", ["unfused", "emulated", *GPU_BACKENDS])
+def test_tree_verification_matches_their_layer(built, converted, kernel, monkeypatch, request):
     """A candidate tree after a prompt: each node's logits are their model's on the prompt and the
     node's path; after accepting a path, the next token's are theirs on prompt + path + token.
-    "emulated" runs the DSLA layers' tree pass and decode step on `dsla_step`'s CUDA body."""
+    "emulated" runs the DSLA layers' tree pass and decode step on `dsla_step`'s CUDA body on the
+    CPU, "cuda" and "metal" on the GPU's kernel (float32 matmuls: conftest.py turns TF32 off)."""
+    if kernel in ("unfused", "emulated"):
+        request.getfixturevalue("exact_float32")
     if kernel == "emulated":
         if not cuda_emulator.AVAILABLE:
             pytest.skip("g++ not found: the CUDA body cannot be run on the CPU")
