@@ -5,7 +5,7 @@
 // queries' reads of both states, their mix and the per-head RMSNorm in one launch, for TN tokens
 // that form a tree: TN = 1 is the decode step, more are the candidates of a verification pass
 // (each node continues its parent's states; a launch-bound GPU pays per op, and the unfused
-// path is ~30 ops a layer).
+// path is ~46 ops a layer).
 // Inputs qkv (batch, TN, (H + 2 KV) D): q, k, v rows; a1, a2 (batch, TN, H D): the gates'
 // pre-activations; s1, s2 (batch, H, D, D): the states before the tree, key row i, value column
 // j; mix: gamma (1) or alpha_list (2); norm_w (D): the RMSNorm weight (read only with NORM);

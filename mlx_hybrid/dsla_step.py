@@ -7,8 +7,9 @@ Per head, for the two states i = 1, 2 (dk = dv = head_dim):
     S_i    <- diag(exp(log g_i)) S_i + k^T v
     o       = q (w1 S_1 + w2 S_2) / sqrt(head_dim),   then RMSNorm per head if the layer has one
 
-Unfused, that is ~30 small ops a layer (two gated linear-attention updates, their gates, the mix,
-the norm), and a GPU pays a launch and host time for each. The pure-MLX reference is the DSLA
+Unfused, a layer's decode step is ~46 ops besides ~60 views as benchmarks/graph_ops.py counts
+them (two gated linear-attention updates, their gates, the mix, the norm), and a GPU pays a launch
+and host time for each; on the kernel it is 5-7, the projections included. The pure-MLX reference is the DSLA
 mixer's unfused path (`mlx_hybrid.models.hybrid.DSLA`, `gated_linear_attention` for a step and
 `gated_linear_attention_tree` for a tree), which every backend without a kernel runs; the kernel
 is metal_kernels/dsla_step.metal and its CUDA twin.
