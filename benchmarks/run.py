@@ -282,6 +282,21 @@ def quantized_label(config: dict) -> str:
 # ----------------------------------------------------------------------------- measuring
 
 
+def median_eval_ms(fn, reps: int = 30, warm: int = 3) -> float:
+    """Median milliseconds of mx.eval(fn()) over reps synchronous runs (the graph built and
+    evaluated in each), after warm runs."""
+    import mlx.core as mx
+
+    for _ in range(warm):
+        mx.eval(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return 1e3 * median(times)
+
+
 def float_dtype(model) -> str:
     """The most common floating dtype among a model's parameters (what its matmuls run in)."""
     from collections import Counter

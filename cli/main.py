@@ -225,7 +225,7 @@ def generate(
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Checkpoint: Hugging Face Llama/Mistral, MambaInLlama release, llama_hybrid, or a Llama .gguf file."),
+    src: Path = typer.Argument(..., help="Checkpoint: Hugging Face Llama/Mistral, MambaInLlama release, DSLA-Serve checkpoint, llama_hybrid, or a Llama .gguf file."),
     dst: Path = typer.Argument(..., help="MLX model directory to write."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32. Default: as stored."),
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the linear layers and embeddings."),

@@ -1,7 +1,8 @@
 """The checkpoint directories `hybrid convert` reads: what kind each is, its config, its tensors.
 
 Kinds are told apart by their files: a MambaInLlama release has `mamba_config.json` beside a
-Llama/Mistral `config.json`; this project's hybrids say `model_type: llama_hybrid`; the rest is a
+Llama/Mistral `config.json`; a DSLA-Serve checkpoint is a Llama config.json with a `dsla_list`
+(convert/dsla_serve.py); this project's hybrids say `model_type: llama_hybrid`; the rest is a
 plain Hugging Face Llama or Mistral. Weights are safetensors or PyTorch `.bin` files, sharded
 with an index or not. Tensors are read one at a time (MLX loads safetensors lazily, torch maps
 `.bin` files), so converting never holds the whole model in memory.
@@ -12,16 +13,17 @@ import json
 import mmap
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
 
+from mlx_hybrid.convert import dsla_serve
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.models import hybrid, llama
 
-KINDS = ("llama", "mistral", "mamba_in_llama", "llama_hybrid")
+KINDS = ("llama", "mistral", "mamba_in_llama", "llama_hybrid", "dsla_serve")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # one of them is required
 # Copied beside the weights when present: the tokenizer, its chat template and generation defaults.
 TOKENIZER_EXTRAS = (
@@ -42,9 +44,16 @@ IGNORED = ("rotary_emb.inv_freq",)
 class Checkpoint:
     path: Path
     kind: str  # one of KINDS
-    config: dict  # config.json in the runtime's terms (a MambaInLlama release's translated)
+    config: dict  # config.json in the runtime's terms (a MambaInLlama or DSLA-Serve one translated)
     files: list[Path]  # weight files, all safetensors or all PyTorch .bin
     shapes: dict[str, tuple[int, ...]]  # every tensor in the files, in file order
+    renames: list[tuple[str, str]] = field(default_factory=list)  # (source prefix, converted prefix) pairs
+
+    def converted_name(self, name: str) -> str:
+        return next((dst + name[len(src) :] for src, dst in self.renames if name.startswith(src)), name)
+
+    def source_name(self, name: str) -> str:
+        return next((src + name[len(dst) :] for src, dst in self.renames if name.startswith(dst)), name)
 
 
 def staging_dir(dst: Path) -> Path:
@@ -78,13 +87,15 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     mamba_config = path / hybrid.MAMBA_IN_LLAMA_CONFIG
     if mamba_config.is_file() and model_type in ("llama", "mistral"):
         kind = "mamba_in_llama"
+    elif dsla_serve.is_dsla_serve(config):
+        kind = "dsla_serve"
     elif model_type in ("llama", "mistral", "llama_hybrid") and not mamba_config.is_file():
         kind = model_type
     else:
         raise HybridError(
             f"cannot convert {path}: unknown kind (model_type '{model_type}'"
             f"{' with ' + mamba_config.name if mamba_config.is_file() else ''}); hybrid convert takes Hugging Face "
-            "llama/mistral, llama_hybrid and MambaInLlama checkpoints"
+            "llama/mistral, llama_hybrid, MambaInLlama and DSLA-Serve checkpoints"
         )
     files = weight_files(path)
     shapes = {}
@@ -93,13 +104,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             if name in shapes:
                 raise HybridError(f"tensor '{name}' appears twice in {path}")
             shapes[name] = shape
-    if kind == "mamba_in_llama":
-        try:
+    renames = []
+    try:
+        if kind == "mamba_in_llama":
             config = hybrid.config_from_mamba_in_llama(config, json.loads(mamba_config.read_text()), shapes)
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise HybridError(f"{path}: {e}") from None
+        elif kind == "dsla_serve":
+            config, renames = dsla_serve.hybrid_config(config), dsla_serve.renames(config)
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise HybridError(f"{path}: {e}") from None
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in shapes)
-    return Checkpoint(path, kind, config, files, shapes)
+    return Checkpoint(path, kind, config, files, shapes, renames)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -213,7 +227,7 @@ def tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, mx.array]]:
 
 
 def torch_state(checkpoint: Checkpoint) -> dict:
-    """All tensors as float32 torch tensors (for running the source in PyTorch)."""
+    """All tensors as float32 torch tensors under their converted names (for running the source in PyTorch)."""
     import torch
 
     state = {}
@@ -224,7 +238,7 @@ def torch_state(checkpoint: Checkpoint) -> dict:
             state.update(load_file(file))
         else:
             state.update(_load_bin(file))
-    return {k: v.to(torch.float32) for k, v in state.items()}
+    return {checkpoint.converted_name(k): v.to(torch.float32) for k, v in state.items()}
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -252,15 +266,24 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         mixer = p + hybrid.MIXER_NAME[kind]
         if kind in ("attention", "dsla"):
-            for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            kv_width = a.dsla_kv_heads * hd if kind == "dsla" else kv
+            for proj, out in (("q_proj", q), ("k_proj", kv_width), ("v_proj", kv_width)):
                 linear(f"{mixer}.{proj}", out, h, a.attention_bias)
             linear(f"{mixer}.o_proj", h, q, a.attention_bias)
         if kind == "dsla":
-            for g in ("gate1", "gate2"):
-                linear(f"{mixer}.{g}_down", a.gate_rank, h)
-                linear(f"{mixer}.{g}_up", q, a.gate_rank, bias=True)
-            shapes[f"{mixer}.gamma"] = (1,)
-            shapes[f"{mixer}.o_norm.weight"] = (hd,)
+            if a.gate_rank:
+                for g in ("gate1", "gate2"):
+                    linear(f"{mixer}.{g}_down", a.gate_rank, h)
+                    linear(f"{mixer}.{g}_up", q, a.gate_rank, bias=True)
+            else:
+                linear(f"{mixer}.gk_proj", q, h, bias=True)
+                linear(f"{mixer}.gk_proj2", q, h, bias=True)
+            if a.dsla_mix == "gamma":
+                shapes[f"{mixer}.gamma"] = (1,)
+            else:
+                shapes[f"{mixer}.alpha_list"] = (2,)
+            if a.dsla_o_norm:
+                shapes[f"{mixer}.o_norm.weight"] = (hd,)
         elif kind == "mamba":
             for proj, out in (("in_proj_x", a.d_xb), ("in_proj_z", a.d_inner), ("B_proj", a.d_xb),
                               ("C_proj", a.d_inner), ("dt_proj_down", a.dt_rank)):
@@ -289,18 +312,21 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def check_shapes(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
-    """The tensors to convert; fails naming the first tensor the config does not expect, or expects otherwise."""
+    """The tensors to convert, under their converted names; fails naming (as the source does) the
+    first tensor the config does not expect, or expects otherwise."""
     expected = expected_shapes(checkpoint.config)
-    for name, shape in checkpoint.shapes.items():
+    for source, shape in checkpoint.shapes.items():
+        name = checkpoint.converted_name(source)
         if name in expected:
             if shape != expected[name]:
                 raise HybridError(
-                    f"tensor '{name}' has shape {list(shape)} but config.json implies {list(expected[name])}"
+                    f"tensor '{source}' has shape {list(shape)} but config.json implies {list(expected[name])}"
                 )
         elif not (name.endswith(IGNORED) or (name == "lm_head.weight" and checkpoint.config["tie_word_embeddings"])):
-            raise HybridError(f"unexpected tensor '{name}' in {checkpoint.path} (not in a {checkpoint.kind} model "
+            raise HybridError(f"unexpected tensor '{source}' in {checkpoint.path} (not in a {checkpoint.kind} model "
                               "of this config)")
-    missing = [n for n in expected if n not in checkpoint.shapes]
+    converted = {checkpoint.converted_name(n) for n in checkpoint.shapes}
+    missing = [n for n in expected if n not in converted]
     if missing:
-        raise HybridError(f"{checkpoint.path} lacks tensor '{missing[0]}'")
+        raise HybridError(f"{checkpoint.path} lacks tensor '{checkpoint.source_name(missing[0])}'")
     return expected

@@ -1,9 +1,10 @@
-"""Hugging Face-layout checkpoints (Llama, Mistral, MambaInLlama, llama_hybrid) -> MLX model directory.
+"""Hugging Face-layout checkpoints (Llama, Mistral, MambaInLlama, DSLA-Serve, llama_hybrid) -> MLX model directory.
 
 The output is what `mlx_hybrid.load` reads, in mlx-lm's layout: config.json (a MambaInLlama
-release becomes this project's `llama_hybrid` config), safetensors shards with an index, the
-tokenizer files. Tensors keep their Hugging Face names (the runtime fuses projections at load),
-so a converted Llama or Mistral also loads in mlx-lm.
+release or a DSLA-Serve checkpoint becomes this project's `llama_hybrid` config), safetensors
+shards with an index, the tokenizer files. Tensors keep their Hugging Face names (the runtime
+fuses projections at load; only DSLA-Serve's DSLA layers move from `self_attn.` to `dsla.`), so
+a converted Llama or Mistral also loads in mlx-lm.
 
 Quantization is MLX's affine `mx.quantize`, tensor by tensor as the tensors stream through (what
 `nn.quantize` does to a whole model at once, which would need all of it in memory). Only Linear
@@ -14,7 +15,7 @@ SSM's dt / DSLA gate projections in float: errors there are multiplied through e
 logits or compounded by the recurrence. Where float embeddings cost too much (a small model's
 vocabulary is a large share of it), `embed_bits` gives the embeddings and the LM head more bits
 than the rest instead (mlx-lm's per-module config entries, which mlx-lm also reads). The SSM's
-A_log, D, dt_bias and gamma are stored in float32 by every recipe (the runtime holds them in float32 anyway), conv and norm weights in
+A_log, D, dt_bias, gamma and alpha_list are stored in float32 by every recipe (the runtime holds them in float32 anyway), conv and norm weights in
 the model dtype.
 """
 
@@ -52,7 +53,7 @@ SHARD_BYTES = 1 << 30  # small shards keep the converter's memory bounded (a sha
 
 def keeps_float(module: str) -> bool:
     """Modules the mixed recipe leaves unquantized: embeddings, LM head, Mamba's dt_proj, DSLA's gates."""
-    return module in EMBEDDINGS or module.endswith(".mamba.dt_proj") or ".dsla.gate" in module
+    return module in EMBEDDINGS or module.endswith(".mamba.dt_proj") or ".dsla.gate" in module or ".dsla.gk_proj" in module
 
 
 def quantizes(name: str, shape: tuple[int, ...], group_size: int, recipe: str) -> bool:
@@ -193,6 +194,7 @@ def convert(
         writer = ShardWriter(tmp, shard_bytes)
         done = 0
         for name, a in tensors(checkpoint):
+            name = checkpoint.converted_name(name)
             if name in expected:
                 for out_name, out in convert_tensor(name, a, dtype, base_quant, recipe).items():
                     mx.eval(out)

@@ -149,22 +149,38 @@ class Mamba2(nn.Module):
 
 
 class DSLA(nn.Module):
-    """Dual-state linear attention as mlx_hybrid specifies it, as the plain per-token recurrence of both states:
-    S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t, o_t = q_t S_t, o = gamma o1 + (1 - gamma) o2, RMSNorm per head."""
+    """Dual-state linear attention as mlx_hybrid specifies it, in either form, as the plain per-token
+    recurrence of both states: S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t, o_t = q_t S_t, o = w1 o1 + w2 o2.
+    This project's form: low-rank gates, (w1, w2) = (gamma, 1 - gamma), an RMSNorm per head after the mix;
+    DSLA-Serve's (gate_rank 0): full-rank gates gk_proj, gk_proj2, softmax(alpha_list), no norm, clamped gates."""
 
-    def __init__(self, hidden, heads, kv_heads, head_dim, gate_rank, gate_norm, eps):
+    def __init__(self, hidden, heads, kv_heads, head_dim, eps, gate_rank, gate_norm, gate_clamp=None, mix="gamma",
+                 o_norm=True):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.gate_norm = heads, kv_heads, head_dim, gate_norm
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.heads, self.kv_heads, self.head_dim, self.gate_norm, self.gate_clamp = heads, kv_heads, head_dim, gate_norm, gate_clamp
+        width = heads * head_dim
+        self.q_proj = nn.Linear(hidden, width, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.gate1_down = nn.Linear(hidden, gate_rank, bias=False)
-        self.gate1_up = nn.Linear(gate_rank, heads * head_dim, bias=True)
-        self.gate2_down = nn.Linear(hidden, gate_rank, bias=False)
-        self.gate2_up = nn.Linear(gate_rank, heads * head_dim, bias=True)
-        self.gamma = nn.Parameter(torch.tensor([0.5]))
-        self.o_norm = RMSNorm(head_dim, eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+        if gate_rank:
+            self.gate1_down = nn.Linear(hidden, gate_rank, bias=False)
+            self.gate1_up = nn.Linear(gate_rank, width, bias=True)
+            self.gate2_down = nn.Linear(hidden, gate_rank, bias=False)
+            self.gate2_up = nn.Linear(gate_rank, width, bias=True)
+        else:
+            self.gk_proj = nn.Linear(hidden, width, bias=True)
+            self.gk_proj2 = nn.Linear(hidden, width, bias=True)
+        if mix == "gamma":
+            self.gamma = nn.Parameter(torch.tensor([0.5]))
+        else:
+            self.alpha_list = nn.Parameter(torch.zeros(2))
+        self.o_norm = RMSNorm(head_dim, eps) if o_norm else None
+
+    def gate_logits(self, u):
+        if hasattr(self, "gk_proj"):
+            return self.gk_proj(u), self.gk_proj2(u)
+        return self.gate1_up(self.gate1_down(u)), self.gate2_up(self.gate2_down(u))
 
     def forward(self, u):
         b, L, _ = u.shape
@@ -176,17 +192,23 @@ class DSLA(nn.Module):
         q = heads(self.q_proj(u)) / math.sqrt(self.head_dim)
         k = heads(self.k_proj(u)).repeat_interleave(r, dim=2)
         v = heads(self.v_proj(u)).repeat_interleave(r, dim=2)
-        gates = [heads(F.logsigmoid(up(down(u)))) / self.gate_norm
-                 for down, up in ((self.gate1_down, self.gate1_up), (self.gate2_down, self.gate2_up))]
+        gates = [heads(F.logsigmoid(a)) / self.gate_norm for a in self.gate_logits(u)]
+        if self.gate_clamp is not None:
+            gates = [g.clamp_min(self.gate_clamp) for g in gates]
         states = [q.new_zeros(b, self.heads, self.head_dim, self.head_dim) for _ in gates]
-        gamma = self.gamma.double()
+        if hasattr(self, "gamma"):
+            w1, w2 = self.gamma.double(), 1 - self.gamma.double()
+        else:
+            w1, w2 = torch.softmax(self.alpha_list.double(), 0)
         outs = []
         for t in range(L):
             kv = k[:, t, :, :, None] * v[:, t, :, None, :]
             states = [torch.exp(g[:, t])[..., None] * s + kv for g, s in zip(gates, states)]
             o1, o2 = (torch.einsum("bhf,bhfe->bhe", q[:, t], s) for s in states)
-            outs.append(gamma * o1 + (1 - gamma) * o2)
-        o = self.o_norm(torch.stack(outs, dim=1).to(u.dtype))
+            outs.append(w1 * o1 + w2 * o2)
+        o = torch.stack(outs, dim=1).to(u.dtype)
+        if self.o_norm is not None:
+            o = self.o_norm(o)
         return self.o_proj(o.reshape(b, L, -1))
 
 
@@ -219,7 +241,8 @@ class HybridDecoderLayer(nn.Module):
 
 
 def make_mixer(kind: str, config, ssm: dict) -> tuple[str, nn.Module]:
-    """(attribute name, mixer) for a layer kind; ssm: d_inner, d_xb, d_state, d_conv, dt_rank, conv_bias, gate_*."""
+    """(attribute name, mixer) for a layer kind; ssm: d_inner, d_xb, d_state, d_conv, dt_rank, conv_bias, gate_*,
+    dsla_* (the DSLA form; this project's where absent)."""
     hidden = config.hidden_size
     if kind == "mamba":
         return "mamba", Mamba(
@@ -228,14 +251,16 @@ def make_mixer(kind: str, config, ssm: dict) -> tuple[str, nn.Module]:
     if kind == "mamba2":
         return "mamba", Mamba2(hidden, ssm["d_inner"], ssm["d_xb"], ssm["d_state"], ssm["d_conv"], ssm["conv_bias"])
     if kind == "dsla":
-        heads, kv = config.num_attention_heads, config.num_key_value_heads
-        return "dsla", DSLA(hidden, heads, kv, config.head_dim, ssm["gate_rank"], ssm["gate_norm"], config.rms_norm_eps)
+        heads, kv = config.num_attention_heads, ssm.get("dsla_kv_heads") or config.num_key_value_heads
+        return "dsla", DSLA(hidden, heads, kv, config.head_dim, config.rms_norm_eps, ssm["gate_rank"], ssm["gate_norm"],
+                            ssm.get("gate_clamp"), ssm.get("dsla_mix", "gamma"), ssm.get("dsla_o_norm", True))
     raise ValueError(kind)
 
 
 # config.json fields of this project's hybrid format that a transformers Llama/Mistral config lacks.
+DSLA_FORM = ("gate_rank", "gate_norm", "gate_clamp", "dsla_mix", "dsla_o_norm", "dsla_kv_heads")
 HYBRID_FIELDS = ("base_model_type", "mixer_types", "d_state", "d_conv", "d_inner", "d_xb", "dt_rank",
-                 "conv_bias", "gate_rank", "gate_norm", "quantization", "quantization_config")
+                 "conv_bias", *DSLA_FORM, "quantization", "quantization_config")
 
 
 @torch.no_grad()
@@ -249,8 +274,7 @@ def build_reference(config: dict, state: dict[str, torch.Tensor]) -> nn.Module:
     from mlx_hybrid.models.hybrid import ModelArgs
 
     args = ModelArgs.from_dict(config)
-    ssm = {k: getattr(args, k) for k in ("d_inner", "d_xb", "d_state", "d_conv", "dt_rank", "conv_bias",
-                                         "gate_rank", "gate_norm")}
+    ssm = {k: getattr(args, k) for k in ("d_inner", "d_xb", "d_state", "d_conv", "dt_rank", "conv_bias", *DSLA_FORM)}
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
     config_cls, model_cls = classes[args.base_model_type]
     base = {k: v for k, v in config.items() if k not in HYBRID_FIELDS and k != "model_type"}

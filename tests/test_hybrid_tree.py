@@ -108,18 +108,19 @@ EMULATED = pytest.param("emulated", marks=pytest.mark.skipif(not cuda_emulator.A
 
 @pytest.mark.parametrize("backend", [EMULATED, *GPU_BACKENDS])
 def test_placed_hybrid_pass_equals_the_eager_pass(tmp_path, monkeypatch, backend):
-    """A tree placed on the device (`TreeMask.at`, as greedy passes run) through a hybrid of attention,
-    Mamba and Mamba2 layers takes the compiled pass (recurrent layers on `ssm_step`): the same
-    logits, hidden states, held keys and per-node states as the eager pass, and after `accept` the
-    same caches, over passes that grow the buffer. "emulated" runs the kernels' CUDA bodies on the
+    """A tree placed on the device (`TreeMask.at`, as greedy passes run) through a hybrid of
+    attention, Mamba, Mamba2 and DSLA layers takes the compiled pass (recurrent layers on
+    `ssm_step` and `dsla_step`): the same logits, hidden states, held keys and per-node states as
+    the eager pass, and after `commit` the same caches, over passes that grow the buffer.
+    "emulated" runs the kernels' CUDA bodies on the
     CPU, uncompiled (the emulator needs real arrays): the pass's plumbing on any machine."""
-    from mlx_hybrid import scan, tree_attention
+    from mlx_hybrid import dsla_step, scan, tree_attention
     from mlx_hybrid.models import hybrid
     from mlx_hybrid.speculative import verify
 
-    model = load_model(make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2", "attention"], seed=6)[0], "float32")
+    model = load_model(make_hybrid_dir(tmp_path / "h", ["attention", "mamba", "mamba2", "dsla", "attention"], seed=6)[0], "float32")
     if backend == "emulated":
-        for module in (scan, tree_attention):
+        for module in (scan, tree_attention, dsla_step):
             monkeypatch.setattr(module, "load_kernel", cuda_emulator.load_kernel)
         for module in (scan, tree_attention, hybrid, verify):
             monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")

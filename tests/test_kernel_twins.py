@@ -32,6 +32,17 @@ SPELLINGS = {
         ("blockIdx.y * blockDim.y + threadIdx.y", "thread_position_in_grid.y"),
         ("__shfl_xor_sync(0xffffffff, yt, m)", "simd_shuffle_xor(yt, static_cast<ushort>(m))"),
     ],
+    "dsla_step": [
+        ("blockIdx.x", "threadgroup_position_in_grid.x"),
+        ("blockIdx.y", "threadgroup_position_in_grid.y"),
+        ("threadIdx.x", "thread_position_in_threadgroup.x"),
+        ("__shared__ ", "threadgroup "),
+        ("__syncthreads();", "threadgroup_barrier(mem_flags::mem_threadgroup);"),
+        ("__shfl_xor_sync(0xffffffff, o1, m)", "simd_shuffle_xor(o1, static_cast<ushort>(m))"),
+        ("__shfl_xor_sync(0xffffffff, o2, m)", "simd_shuffle_xor(o2, static_cast<ushort>(m))"),
+        ("__shfl_xor_sync(0xffffffff, ss, m)", "simd_shuffle_xor(ss, static_cast<ushort>(m))"),
+        ("rsqrtf(", "metal::rsqrt("),
+    ],
     "beam_topk_chunks": BEAM_TOPK,
     "beam_topk_merge": BEAM_TOPK,
     "greedy_accept": [

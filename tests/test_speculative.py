@@ -588,11 +588,11 @@ def emulate_gpu_kernels(monkeypatch):
     """Send the model code down its GPU path, every kernel run by its CUDA body on the CPU
     (tests/helpers/cuda_emulator.py), drafts uncompiled (the emulator needs real arrays) and packed beams
     kept at their padded size, as on a GPU."""
-    from mlx_hybrid import scan, tree_attention
+    from mlx_hybrid import dsla_step, scan, tree_attention
     from mlx_hybrid.models import hybrid
     from mlx_hybrid.speculative import redrafter, topk, tree, verify
 
-    for module in (scan, tree_attention, accept, tree, topk):
+    for module in (scan, dsla_step, tree_attention, accept, tree, topk):
         monkeypatch.setattr(module, "load_kernel", cuda_emulator.load_kernel)
     for module in (scan, tree_attention, hybrid, accept, tree, topk, verify):
         monkeypatch.setattr(module, "kernel_backend", lambda: "cuda")

@@ -8,28 +8,18 @@ each timing the median of 30 synchronous runs in ms. Prints JSON.
 
 import argparse
 import json
-import time
-from statistics import median
-
 import mlx.core as mx
 
-from benchmarks.run import SYNTHETIC  # noqa: E402
+from benchmarks.run import SYNTHETIC, median_eval_ms
 
-from mlx_hybrid.kernels import kernel_backend  # noqa: E402
-from mlx_hybrid.models import hybrid  # noqa: E402
-from mlx_hybrid.speculative.verify import verify  # noqa: E402
-from mlx_hybrid.tree_mask import TreeMask  # noqa: E402
+from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.models import hybrid
+from mlx_hybrid.speculative.verify import verify
+from mlx_hybrid.tree_mask import TreeMask
 
 
 def ms(fn, reps=30):
-    for _ in range(3):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - t) * 1e3)
-    return round(median(times), 3)
+    return round(median_eval_ms(fn, reps), 3)
 
 
 def beams(width: int, length: int = 5) -> list[int]:

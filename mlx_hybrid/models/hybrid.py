@@ -6,8 +6,9 @@ attention's V, K, Q projections, with grouped KV heads expanded to the query hea
 starts out as linearized attention and distillation only has to learn dt, A, D and the rest.
 
 The Mamba and Mamba2 layers follow the released MambaInLlama checkpoints tensor for tensor,
-quirks included (see `Mamba`); DSLA (dual-state linear attention, DSLA-Serve eq. 4-5) is this
-project's own. The checkpoint format is described in `docs/formats/hybrid-checkpoint.md`.
+quirks included (see `Mamba`). DSLA (dual-state linear attention, DSLA-Serve eq. 4-5) comes in
+two forms chosen by configuration (`DSLA`): this project's own and DSLA-Serve's released layer.
+The checkpoint format is described in `docs/formats/hybrid-checkpoint.md`.
 """
 
 import math
@@ -17,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.cache import KVCache, StateCache
+from mlx_hybrid.dsla_step import dsla_step
 from mlx_hybrid.models import llama
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.models.linear import Linear, fused_project
@@ -28,7 +30,8 @@ LAYER_TYPES = ("attention", "mamba", "mamba2", "dsla")
 # Per-layer-kind attribute holding the mixer (MambaInLlama names its SSM mixers "mamba").
 MIXER_NAME = {"attention": "self_attn", "mamba": "mamba", "mamba2": "mamba", "dsla": "dsla"}
 # Parameters kept in float32 whatever the model dtype: the recurrence compounds their rounding.
-FP32_PARAMS = ("A_log", "D", "dt_bias", "gamma")
+FP32_PARAMS = ("A_log", "D", "dt_bias", "gamma", "alpha_list")
+DSLA_MIXES = ("gamma", "softmax")
 
 
 @dataclass
@@ -41,8 +44,14 @@ class ModelArgs(llama.ModelArgs):
     d_xb: int | None = None  # width of x and B before KV-head expansion; default kv_heads * head_dim
     dt_rank: int | None = None  # Mamba's low-rank dt projection; default ceil(hidden_size / 16)
     conv_bias: bool = True
-    gate_rank: int = 16  # DSLA's low-rank forget-gate projections
+    # DSLA: this project's form by default; DSLA-Serve's is gate_rank 0, gate_clamp -50, dsla_mix
+    # "softmax", dsla_o_norm false, dsla_kv_heads = num_attention_heads (see `DSLA`).
+    gate_rank: int = 16  # rank of the forget-gate projections; 0: full rank (gk_proj, gk_proj2)
     gate_norm: float = 16.0  # DSLA gates are logsigmoid(.) / gate_norm, as in GLA
+    gate_clamp: float | None = None  # lower bound of the log gates
+    dsla_mix: str = "gamma"  # gamma: gamma o1 + (1 - gamma) o2; softmax: softmax(alpha_list) . (o1, o2)
+    dsla_o_norm: bool = True  # a per-head RMSNorm of the mixed output
+    dsla_kv_heads: int | None = None  # K/V heads of the DSLA layers; default num_key_value_heads
     # Attention layers that also carry DSLA weights, least sensitive first, and how many of them
     # may run as DSLA at once: {"order": [...], "max_layers": k} (see mlx_hybrid/adaptive.py).
     dsla_conversion: dict | None = None
@@ -67,6 +76,13 @@ class ModelArgs(llama.ModelArgs):
                 raise ValueError(f"{name} ({getattr(self, name)}) is not a multiple of d_state ({self.d_state})")
         if self.d_inner % self.d_xb:
             raise ValueError(f"d_inner ({self.d_inner}) is not a multiple of d_xb ({self.d_xb})")
+        self.dsla_kv_heads = self.dsla_kv_heads or self.num_key_value_heads
+        if self.num_attention_heads % self.dsla_kv_heads:
+            raise ValueError(f"dsla_kv_heads ({self.dsla_kv_heads}) does not divide num_attention_heads ({self.num_attention_heads})")
+        if self.dsla_mix not in DSLA_MIXES:
+            raise ValueError(f"dsla_mix must be one of {', '.join(DSLA_MIXES)}, got {self.dsla_mix!r}")
+        if not isinstance(self.gate_rank, int) or isinstance(self.gate_rank, bool) or self.gate_rank < 0:
+            raise ValueError(f"gate_rank must be a non-negative integer (0: full rank), got {self.gate_rank!r}")
         self.dsla_order, self.dsla_max_layers = self._dsla_conversion()
 
     def _dsla_conversion(self) -> tuple[list[int], int]:
@@ -391,36 +407,89 @@ def gated_linear_attention_tree(q, k, v, g, state, visible: mx.array):
 
 class DSLA(nn.Module):
     """Dual-state linear attention: two gated linear-attention states with data-dependent forget
-    gates, mixed as q (gamma S1 + (1 - gamma) S2) (DSLA-Serve eq. 4-5), then a per-head RMSNorm.
+    gates, mixed as q (w1 S1 + w2 S2) (DSLA-Serve eq. 4-5), in one of two forms.
 
-    q, k, v, o keep the attention's weights (q scaled by head_dim^-0.5, KV heads expanded), so an
+    q, k, v, o have the attention's shapes (q scaled by head_dim^-0.5, KV heads expanded), so an
     attention-initialized DSLA layer with gates fixed at 1 is linearized attention. Gates are
-    GLA's: log g = logsigmoid(up(down(u))) / gate_norm, one per key feature and head.
+    GLA's: log g = logsigmoid(W u + b) / gate_norm, one per key feature and head, and no RoPE.
+    This project's form (the defaults) has low-rank gate projections (gate*_down, gate*_up),
+    w1 = gamma, w2 = 1 - gamma, and a per-head RMSNorm of the mixed output (o_norm).
+    DSLA-Serve's released layer (utnslab/DSLA-Serve, src/layer.py) has full-rank gates with bias
+    (gk_proj, gk_proj2), (w1, w2) = softmax(alpha_list), no output norm, log gates clamped at
+    -50, and as many K/V heads as query heads (`ModelArgs` fields gate_rank, dsla_mix,
+    dsla_o_norm, gate_clamp, dsla_kv_heads).
     """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.dsla_kv_heads, args.head_dim
         self.scale = self.head_dim**-0.5
-        self.gate_norm = args.gate_norm
+        self.gate_norm, self.gate_clamp = args.gate_norm, args.gate_clamp
         qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.qkv_proj = Linear(args.hidden_size, qkv, bias=args.attention_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)
         width = self.n_heads * self.head_dim
-        self.gate1_down = Linear(args.hidden_size, args.gate_rank, bias=False)
-        self.gate1_up = Linear(args.gate_rank, width, bias=True)
-        self.gate2_down = Linear(args.hidden_size, args.gate_rank, bias=False)
-        self.gate2_up = Linear(args.gate_rank, width, bias=True)
-        self.gamma = mx.array([0.5])
-        self.o_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        if args.gate_rank:
+            self.gate1_down = Linear(args.hidden_size, args.gate_rank, bias=False)
+            self.gate1_up = Linear(args.gate_rank, width, bias=True)
+            self.gate2_down = Linear(args.hidden_size, args.gate_rank, bias=False)
+            self.gate2_up = Linear(args.gate_rank, width, bias=True)
+        else:
+            self.gk_proj = Linear(args.hidden_size, width, bias=True)
+            self.gk_proj2 = Linear(args.hidden_size, width, bias=True)
+        if args.dsla_mix == "gamma":
+            self.gamma = mx.array([0.5])
+        else:
+            self.alpha_list = mx.zeros((2,))
+        if args.dsla_o_norm:
+            self.o_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        clamp = -math.inf if self.gate_clamp is None else self.gate_clamp
+        self._step_consts = mx.array([1 / self.gate_norm, clamp, args.rms_norm_eps], mx.float32)  # `dsla_step`'s
 
     def _heads(self, t: mx.array) -> mx.array:
         B, L, _ = t.shape
         return t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
 
+    def gate_logits(self, u: mx.array) -> tuple[mx.array, mx.array]:
+        """The two gates' pre-activations (..., heads * head_dim)."""
+        if "gk_proj" in self:
+            return self.gk_proj(u), self.gk_proj2(u)
+        return self.gate1_up(self.gate1_down(u)), self.gate2_up(self.gate2_down(u))
+
+    def log_gate(self, a: mx.array) -> mx.array:
+        """log g from a gate's pre-activation, in float32, as heads (batch, heads, L, head_dim)."""
+        g = nn.log_sigmoid(a.astype(mx.float32)) / self.gate_norm
+        return self._heads(g if self.gate_clamp is None else mx.maximum(g, self.gate_clamp))
+
+    def mix_weights(self) -> tuple[mx.array, mx.array]:
+        """(w1, w2), the weights of the two states' outputs, in float32."""
+        if "gamma" in self:
+            gamma = self.gamma.astype(mx.float32)
+            return gamma, 1 - gamma
+        w = mx.softmax(self.alpha_list.astype(mx.float32), precise=True)
+        return w[0], w[1]
+
+    def kernel_step(self, u, s1, s2, parents, backend: str, norm=None, residual=None):
+        """The mixer on `dsla_step`: output and both states after one token u, or with parents
+        after each node of the tree u (([batch,] tokens, hidden): see `_batched`); u normalized
+        by `norm` first and the output added to `residual`, if given."""
+        x = u if norm is None else norm(u)
+        a1, a2 = self.gate_logits(x)
+        mix = self.gamma if "gamma" in self else self.alpha_list
+        o, s1, s2 = dsla_step(
+            _batched(self.qkv_proj(x)), _batched(a1), _batched(a2), s1, s2, mix, self.o_norm.weight if "o_norm" in self else None,
+            self._step_consts, parents, kv_heads=self.n_kv_heads, backend=backend,
+        )
+        return fused_project(self.o_proj, o.reshape(*u.shape[:-1], -1), residual=residual), s1, s2
+
     def __call__(self, u: mx.array, mask: TreeMask | None = None, cache: StateCache = None, norm=None, residual=None) -> mx.array:
         """As `Mamba.__call__`."""
         tree = mask
+        s1, s2 = cache.arrays or [mx.zeros((_batched(u).shape[0], self.n_heads, self.head_dim, self.head_dim))] * 2
+        if backend := _kernel_backend(u, tree):
+            y, s1, s2 = self.kernel_step(u, s1, s2, _parents(tree), backend, norm, residual)
+            _finish(cache, [s1, s2], tree)
+            return y
         shape, u = u.shape, _batched(u if norm is None else norm(u))
         B, L, _ = u.shape
         qkv = self._heads(self.qkv_proj(u))
@@ -428,9 +497,7 @@ class DSLA(nn.Module):
         r = self.n_heads // self.n_kv_heads
         k, v = mx.repeat(k, r, axis=1), mx.repeat(v, r, axis=1)
         q = q * self.scale
-        g1 = self._heads(nn.log_sigmoid(self.gate1_up(self.gate1_down(u)).astype(mx.float32)) / self.gate_norm)
-        g2 = self._heads(nn.log_sigmoid(self.gate2_up(self.gate2_down(u)).astype(mx.float32)) / self.gate_norm)
-        s1, s2 = cache.arrays or [mx.zeros((B, self.n_heads, self.head_dim, self.head_dim))] * 2
+        g1, g2 = (self.log_gate(a) for a in self.gate_logits(u))
         if tree is not None:
             visible = tree.visible()
             (o1, after1), (o2, after2) = (gated_linear_attention_tree(q, k, v, g, s, visible) for g, s in ((g1, s1), (g2, s2)))
@@ -439,8 +506,10 @@ class DSLA(nn.Module):
             o1, s1 = gated_linear_attention(q, k, v, g1, s1)
             o2, s2 = gated_linear_attention(q, k, v, g2, s2)
             cache.update([s1, s2], L)
-        gamma = self.gamma.astype(mx.float32)
-        o = self.o_norm((gamma * o1 + (1 - gamma) * o2).astype(u.dtype))
+        w1, w2 = self.mix_weights()
+        o = (w1 * o1 + w2 * o2).astype(u.dtype)
+        if "o_norm" in self:
+            o = self.o_norm(o)
         return _output(self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1)), shape, residual)
 
 

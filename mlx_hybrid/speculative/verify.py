@@ -33,14 +33,15 @@ def verify(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -> t
 
 def compiles(model: nn.Module, cache: list) -> bool:
     """Whether every layer can run inside the compiled pass: attention over a KV cache that holds
-    something and has no sliding window (whose buffer start moves), and Mamba or Mamba2 mixers on
-    their GPU kernel (`scan.ssm_step`, which returns every node's state as arrays; the reference
-    paths hold a function instead)."""
+    something and has no sliding window (whose buffer start moves), and Mamba, Mamba2 or DSLA
+    mixers on their GPU kernels (`scan.ssm_step`, `dsla_step`, which return every node's state as
+    arrays; the reference paths hold a function instead). A convertible attention layer running as
+    DSLA takes the eager pass."""
     for layer, c in zip(model.layers, cache):
         if isinstance(c, KVCache):
             if c.window is not None or c.keys is None:
                 return False
-        elif c.arrays is None or kernel_backend() is None or getattr(layer, "kind", None) not in ("mamba", "mamba2"):
+        elif c.arrays is None or kernel_backend() is None or getattr(layer, "kind", None) not in ("mamba", "mamba2", "dsla"):
             return False
     return True
 

@@ -37,8 +37,13 @@ class HybridArgs:
     d_xb: int | None = None
     dt_rank: int | None = None
     conv_bias: bool = True
-    gate_rank: int = 16
+    # DSLA's form: this project's by default; DSLA-Serve's in `DSLA`'s docstring.
+    gate_rank: int = 16  # 0: full-rank gates gk_proj, gk_proj2
     gate_norm: float = 16.0
+    gate_clamp: float | None = None
+    dsla_mix: str = "gamma"  # or "softmax" (of alpha_list)
+    dsla_o_norm: bool = True
+    dsla_kv_heads: int | None = None
 
     def resolve(self, config) -> "HybridArgs":
         """Fill the derived sizes from a transformers config and check the runtime's constraints."""
@@ -46,6 +51,12 @@ class HybridArgs:
         self.d_inner = self.d_inner or config.hidden_size
         self.d_xb = self.d_xb or config.num_key_value_heads * head_dim
         self.dt_rank = self.dt_rank or math.ceil(config.hidden_size / 16)
+        self.dsla_kv_heads = self.dsla_kv_heads or config.num_key_value_heads
+        if self.dsla_mix not in ("gamma", "softmax"):
+            raise TrainError(f"dsla_mix must be gamma or softmax, got {self.dsla_mix!r}")
+        if config.num_attention_heads % self.dsla_kv_heads or self.dsla_kv_heads % config.num_key_value_heads:
+            raise TrainError(f"dsla_kv_heads ({self.dsla_kv_heads}) must divide the {config.num_attention_heads} heads "
+                             f"and be a multiple of the {config.num_key_value_heads} K/V heads")
         for name in ("d_inner", "d_xb"):
             if getattr(self, name) % self.d_state:
                 raise TrainError(f"{name} ({getattr(self, name)}) is not a multiple of d_state ({self.d_state})")
@@ -216,9 +227,14 @@ def gate_similarity(G1: torch.Tensor, G2: torch.Tensor) -> torch.Tensor:
 
 
 class DSLA(nn.Module):
-    """Dual-state linear attention (DSLA-Serve eq. 4-5): two gated linear-attention states mixed by a
-    learned gamma, then an RMSNorm per head. q, k, v, o keep the attention's weights (q scaled by
-    head_dim^-0.5, KV heads expanded). Gates: log g = logsigmoid(up(down(u))) / gate_norm.
+    """Dual-state linear attention (DSLA-Serve eq. 4-5): two gated linear-attention states mixed as
+    w1 o1 + w2 o2. q, k, v, o keep the attention's weights (q scaled by head_dim^-0.5, KV heads
+    expanded). Gates: log g = logsigmoid(W u + b) / gate_norm, clamped below at gate_clamp.
+    This project's form: low-rank gates (gate*_down, gate*_up), (w1, w2) = (gamma, 1 - gamma), then an
+    RMSNorm per head; DSLA-Serve's (utnslab/DSLA-Serve, src/layer.py; HybridArgs gate_rank 0, gate_clamp
+    -50, dsla_mix softmax, dsla_o_norm false, dsla_kv_heads = heads): full-rank gates gk_proj, gk_proj2,
+    softmax(alpha_list), no norm, as many K/V heads as query heads (`mlx_hybrid.models.hybrid.DSLA` runs
+    either).
 
     After each forward, `similarity` holds `gate_similarity` of this call's gates (for the loss)."""
 
@@ -227,33 +243,50 @@ class DSLA(nn.Module):
     def __init__(self, config, a: HybridArgs):
         super().__init__()
         hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
-        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, a.dsla_kv_heads or config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.n_heads
-        self.gate_norm = a.gate_norm
+        self.gate_norm, self.gate_clamp = a.gate_norm, a.gate_clamp
         width = self.n_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, width, bias=bias)
         self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(width, hidden, bias=bias)
-        self.gate1_down = nn.Linear(hidden, a.gate_rank, bias=False)
-        self.gate1_up = nn.Linear(a.gate_rank, width, bias=True)
-        self.gate2_down = nn.Linear(hidden, a.gate_rank, bias=False)
-        self.gate2_up = nn.Linear(a.gate_rank, width, bias=True)
-        self.gamma = nn.Parameter(torch.tensor([0.5]))
-        self.o_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        if a.gate_rank:
+            self.gate1_down = nn.Linear(hidden, a.gate_rank, bias=False)
+            self.gate1_up = nn.Linear(a.gate_rank, width, bias=True)
+            self.gate2_down = nn.Linear(hidden, a.gate_rank, bias=False)
+            self.gate2_up = nn.Linear(a.gate_rank, width, bias=True)
+        else:
+            self.gk_proj = nn.Linear(hidden, width, bias=True)
+            self.gk_proj2 = nn.Linear(hidden, width, bias=True)
+        if a.dsla_mix == "gamma":
+            self.gamma = nn.Parameter(torch.tensor([0.5]))
+        else:
+            self.alpha_list = nn.Parameter(torch.rand(2))  # DSLA-Serve's init: uniform in [0, 1)
+        self.o_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if a.dsla_o_norm else None
         self.similarity = None
         with torch.no_grad():
-            # History gate near identity (g ~ 0.999 per token), recency gate random (DSLA-Serve, appendix B).
-            for layer in (self.gate1_down, self.gate1_up):
-                layer.weight.normal_(0, 0.01)
-            self.gate1_up.bias.fill_(4.0)
-            self.gate2_down.weight.normal_(0, 0.1)
-            self.gate2_up.weight.normal_(0, 0.1)
-            self.gate2_up.bias.zero_()
+            if a.gate_rank:
+                # History gate near identity (g ~ 0.999 per token), recency gate random (DSLA-Serve, appendix B).
+                for layer in (self.gate1_down, self.gate1_up):
+                    layer.weight.normal_(0, 0.01)
+                self.gate1_up.bias.fill_(4.0)
+                self.gate2_down.weight.normal_(0, 0.1)
+                self.gate2_up.weight.normal_(0, 0.1)
+                self.gate2_up.bias.zero_()
+            else:  # as DSLA-Serve's code: the history gate's weight the identity, the recency gate's default
+                nn.init.eye_(self.gk_proj.weight)
+                self.gk_proj.bias.zero_()
+                self.gk_proj2.bias.zero_()
 
     def init_from_attention(self, attn: nn.Module):
+        """q, k, v, o from the attention; K/V heads repeated where this layer has more of them."""
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(self, name).load_state_dict(getattr(attn, name).state_dict())
+            state = getattr(attn, name).state_dict()
+            if name in ("k_proj", "v_proj"):
+                r = self.n_kv_heads * self.head_dim // state["weight"].shape[0]
+                state = {k: expand_groups(v.transpose(0, -1), self.head_dim, r).transpose(0, -1) for k, v in state.items()}
+            getattr(self, name).load_state_dict(state)
 
     def heads(self, t: torch.Tensor) -> torch.Tensor:
         b, L, _ = t.shape
@@ -267,16 +300,28 @@ class DSLA(nn.Module):
         v = self.heads(self.v_proj(u)).repeat_interleave(r, dim=1)
         return q, k, v
 
+    def log_gates(self, u: torch.Tensor) -> list[torch.Tensor]:
+        """Both gates' log g (batch, L, heads * head_dim), float32."""
+        logits = (self.gk_proj(u), self.gk_proj2(u)) if hasattr(self, "gk_proj") else (
+            self.gate1_up(self.gate1_down(u)), self.gate2_up(self.gate2_down(u)))
+        gates = [F.logsigmoid(a.float()) / self.gate_norm for a in logits]
+        return gates if self.gate_clamp is None else [g.clamp_min(self.gate_clamp) for g in gates]
+
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         b, L, _ = u.shape
         q, k, v = self.qkv(u)
-        g1 = F.logsigmoid(self.gate1_up(self.gate1_down(u)).float()) / self.gate_norm
-        g2 = F.logsigmoid(self.gate2_up(self.gate2_down(u)).float()) / self.gate_norm
+        g1, g2 = self.log_gates(u)
         self.similarity = gate_similarity(g1.exp(), g2.exp())
         o1, _ = chunked_gla(q, k, v, self.heads(g1), chunk=self.chunk)
         o2, _ = chunked_gla(q, k, v, self.heads(g2), chunk=self.chunk)
-        gamma = self.gamma.float()
-        o = self.o_norm((gamma * o1 + (1 - gamma) * o2).to(u.dtype))
+        if hasattr(self, "gamma"):
+            w1 = self.gamma.float()
+            w2 = 1 - w1
+        else:
+            w1, w2 = torch.softmax(self.alpha_list.float(), 0)
+        o = (w1 * o1 + w2 * o2).to(u.dtype)
+        if self.o_norm is not None:
+            o = self.o_norm(o)
         return self.o_proj(o.transpose(1, 2).reshape(b, L, -1))
 
 

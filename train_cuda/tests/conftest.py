@@ -23,6 +23,9 @@ CHAT_TEMPLATE = (
 )
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# DSLA-Serve's form of DSLA in HybridArgs' terms (hybrid_train.model.DSLA): full-rank gates, softmax mix,
+# no output norm, clamped gates, and a K/V head per query head (TINY has 4 heads, 2 K/V heads).
+DSLA_SERVE = dict(gate_rank=0, gate_clamp=-50.0, dsla_mix="softmax", dsla_o_norm=False, dsla_kv_heads=4)
 
 
 def make_tokenizer(path: Path):

@@ -11,7 +11,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import make_teacher
+from conftest import DSLA_SERVE, make_teacher
 
 from hybrid_train.errors import TrainError
 from hybrid_train.model import HybridArgs, convert_layers, save_adaptive
@@ -24,11 +24,14 @@ ATOL = 1e-4
 ORDER = [2, 0, 3]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+FORMS = {"ours": dict(gate_rank=4), "dsla-serve": DSLA_SERVE}  # DSLA in this project's form and in DSLA-Serve's
+
+
+@pytest.fixture(scope="module", params=FORMS)
+def models(tmp_path_factory, request):
     path = make_teacher(tmp_path_factory.mktemp("adaptive") / "teacher")
     teacher = load_teacher(path)
-    student = convert_layers(copy.deepcopy(teacher), ["dsla", "attention", "dsla", "dsla"], HybridArgs(gate_rank=4))
+    student = convert_layers(copy.deepcopy(teacher), ["dsla", "attention", "dsla", "dsla"], HybridArgs(**FORMS[request.param]))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # as after the dsla stage: the DSLA mixers (q, k, v, o included) are trained
         for name, p in student.named_parameters():

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import make_teacher
+from conftest import DSLA_SERVE, make_teacher
 
 from hybrid_train.model import HybridArgs, convert_layers, load_hybrid, save_hybrid
 from hybrid_train.teacher import load_teacher, load_tokenizer
@@ -25,22 +25,24 @@ def perturb(model):
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", "gamma")):
+            if name.endswith(("A_log", "dt_bias", "gamma", "alpha_list")):
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
+            elif p.dim() == 1 or name.endswith("gk_proj.weight"):  # DSLA-Serve's history gate starts as the identity
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
 @pytest.mark.parametrize(
-    "arch,kinds,overrides",
+    "arch,kinds,overrides,dsla",
     [
-        ("llama", ["dsla", "attention", "mamba2", "mamba"], {}),
-        ("mistral", ["attention", "mamba", "attention", "dsla"], {"sliding_window": 8}),  # window < length
+        ("llama", ["dsla", "attention", "mamba2", "mamba"], {}, {"gate_rank": 4}),
+        ("mistral", ["attention", "mamba", "attention", "dsla"], {"sliding_window": 8}, {"gate_rank": 4}),  # window < length
+        ("llama", ["attention", "dsla", "attention", "dsla"], {}, DSLA_SERVE),
     ],
+    ids=["llama", "mistral", "dsla-serve-form"],
 )
-def test_export_loads_in_mlx_with_the_same_logits(tmp_path, arch, kinds, overrides):
+def test_export_loads_in_mlx_with_the_same_logits(tmp_path, arch, kinds, overrides, dsla):
     teacher = make_teacher(tmp_path / "teacher", arch=arch, **overrides)
-    student = convert_layers(load_teacher(teacher), kinds, HybridArgs(d_state=8, gate_rank=4))
+    student = convert_layers(load_teacher(teacher), kinds, HybridArgs(d_state=8, **dsla))
     perturb(student)
     out = tmp_path / "student"
     save_hybrid(student, out, load_tokenizer(teacher))

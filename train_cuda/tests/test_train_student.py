@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_teacher
+from conftest import DSLA_SERVE, make_teacher
 
 from hybrid_train import layers
 from hybrid_train.errors import TrainError
@@ -38,10 +38,11 @@ def identity_scan(q, k, v):
     return chunked_gla(q, k, v, torch.zeros_like(q[..., :1]), chunk=8)[0]
 
 
-@pytest.mark.parametrize("kind", ["mamba", "mamba2", "dsla"])
-def test_attention_initialized_mixer_is_linearized_attention(teacher_dir, kind):
+@pytest.mark.parametrize("kind,form", [("mamba", {}), ("mamba2", {}), ("dsla", {}), ("dsla", DSLA_SERVE)],
+                         ids=["mamba", "mamba2", "dsla", "dsla-serve"])
+def test_attention_initialized_mixer_is_linearized_attention(teacher_dir, kind, form):
     teacher = load_teacher(teacher_dir)
-    student = convert_layers(load_teacher(teacher_dir), [kind] * 4, HybridArgs(d_state=16))  # d_state = head_dim
+    student = convert_layers(load_teacher(teacher_dir), [kind] * 4, HybridArgs(d_state=16, **form))  # d_state = head_dim
     cfg = teacher.config
     hd = cfg.hidden_size // cfg.num_attention_heads
     torch.manual_seed(3)
@@ -117,3 +118,30 @@ def test_attention_entropy(tmp_path):
     assert entropy[1] == pytest.approx((math.log(6) + math.log(11)) / 2, abs=1e-6)
     assert entropy[2] < 0.2 * min(entropy[0], entropy[3])
     assert layers.conversion_order(entropy)[0] == 2 and layers.conversion_order(entropy)[-1] == 1
+
+
+def test_dsla_serve_form_distills(teacher_dir):
+    """train_cuda trains DSLA-Serve's form: its gates and mix get gradients, and a few steps of the
+    `dsla` stage's loss (KL to the teacher) lower it."""
+    from hybrid_train.losses import distill_loss
+
+    teacher = load_teacher(teacher_dir)
+    student = convert_layers(load_teacher(teacher_dir), ["attention", "dsla", "attention", "attention"], HybridArgs(**DSLA_SERVE))
+    mixer = student.model.layers[1].dsla
+    assert mixer.o_norm is None and mixer.k_proj.weight.shape == (64, 64) and mixer.alpha_list.shape == (2,)
+    student.requires_grad_(False)
+    mixer.requires_grad_(True)
+    opt = torch.optim.Adam(mixer.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (4, 24))
+    with torch.no_grad():
+        target = teacher(ids, use_cache=False).logits
+    losses = []
+    for _ in range(8):
+        loss, _ = distill_loss(student(ids, use_cache=False).logits, target, ids, alpha=0.0, beta=1.0)
+        opt.zero_grad()
+        loss.backward()
+        assert all(mixer.get_parameter(n).grad.abs().sum() > 0 for n in ("gk_proj.weight", "gk_proj2.bias", "alpha_list"))
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]

@@ -1,0 +1,67 @@
+"""A DSLA mixer between its projections in one GPU launch: a decode step, or the nodes of a
+candidate tree (a verification pass).
+
+Per head, for the two states i = 1, 2 (dk = dv = head_dim):
+
+    log g_i = max(logsigmoid(a_i) / gate_norm, clamp)      a_i the gate projection's output
+    S_i    <- diag(exp(log g_i)) S_i + k^T v
+    o       = q (w1 S_1 + w2 S_2) / sqrt(head_dim),   then RMSNorm per head if the layer has one
+
+Unfused, a layer's decode step is ~46 ops besides ~60 views as benchmarks/graph_ops.py counts
+them (two gated linear-attention updates, their gates, the mix, the norm), and a GPU pays a launch
+and host time for each; on the kernel it is 5-7, the projections included. The pure-MLX reference is the DSLA
+mixer's unfused path (`mlx_hybrid.models.hybrid.DSLA`, `gated_linear_attention` for a step and
+`gated_linear_attention_tree` for a tree), which every backend without a kernel runs; the kernel
+is metal_kernels/dsla_step.metal and its CUDA twin.
+"""
+
+import mlx.core as mx
+
+from mlx_hybrid.kernels import load_kernel
+
+_ROOT = mx.array([-1], mx.int32)  # the decode step: one token continuing the cache
+
+
+def lanes(head_dim: int) -> int:
+    """Threads a value column, each a share of its head_dim key rows: a power of two that keeps a
+    head's threadgroup near 256 threads (a head's state is read and written once a node)."""
+    return 1 << (max(1, min(32, 256 // head_dim)).bit_length() - 1)
+
+
+def dsla_step(qkv, a1, a2, s1, s2, mix, norm_w, consts, parents=None, *, kv_heads: int, backend: str):
+    """DSLA between its projections on the fused kernel: one decode step, or with `parents` the
+    nodes of a candidate tree, each continuing its parent's states.
+
+    qkv: (batch, TN, (heads + 2 kv_heads) head_dim) the q, k, v projection rows; a1, a2: (batch,
+    TN, heads head_dim) the gates' pre-activations; s1, s2: (batch, heads, head_dim, head_dim) the
+    states (key rows, value columns); mix: gamma (1,) or alpha_list (2,) float32, the mix gamma o1
+    + (1 - gamma) o2 or softmax(alpha_list) . (o1, o2); norm_w: (head_dim,) the output RMSNorm's
+    weight, None for no norm; consts: (3,) float32, 1 / gate_norm, the log-gate clamp (-inf for
+    none) and the norm's eps; parents: (TN,) int32, node t continues node parents[t] (-1: the
+    states), parents before children; without it TN must be 1.
+    Returns the outputs (batch, TN, heads head_dim) in qkv's dtype and the states (float32)
+    after the token, or with `parents` after each node: (batch, TN, heads, head_dim, head_dim).
+    """
+    b, heads, D, _ = s1.shape
+    TN = qkv.shape[1]
+    if (parents is None and TN != 1) or (parents is not None and parents.shape != (TN,)):
+        raise ValueError(f"dsla_step takes one token or a tree of parents for each, got {TN} tokens")
+    if D > 1024 or heads % kv_heads or qkv.shape[2] != (heads + 2 * kv_heads) * D or a1.shape != (b, TN, heads * D):
+        raise ValueError(f"dsla_step: shapes qkv {qkv.shape}, gates {a1.shape}, states {s1.shape} do not fit {kv_heads} KV heads")
+    tree = parents is not None
+    S = lanes(D)
+    threads = -(-D * S // 32) * 32  # whole SIMD groups: all take part in the shuffles
+    norm = norm_w is not None
+    states = (b, TN, heads, D, D) if tree else s1.shape
+    return load_kernel(backend, "dsla_step", ("qkv", "a1", "a2", "s1", "s2", "mix", "norm_w", "consts", "parents"), ("y", "s1_out", "s2_out"))(
+        inputs=[qkv, a1, a2, s1.astype(mx.float32), s2.astype(mx.float32), mix, norm_w if norm else consts, consts,
+                parents if tree else _ROOT],
+        # T, Tg, Tn name every input dtype: MLX caches a compiled CUDA kernel by its name, which
+        # holds the template arguments only.
+        template=[("T", qkv.dtype), ("Tg", a1.dtype), ("Tn", norm_w.dtype if norm else mx.float32), ("H", heads),
+                  ("KV", kv_heads), ("D", D), ("S", S), ("SOFTMAX", mix.size == 2), ("NORM", norm)],
+        grid=(heads * threads, b, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(b, TN, heads * D), states, states],
+        output_dtypes=[qkv.dtype, mx.float32, mx.float32],
+    )
