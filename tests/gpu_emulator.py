@@ -60,6 +60,11 @@ def build(source: str) -> Path:
     return _BUILT[key]
 
 
+def threadgroup_bytes(binary: Path) -> int:
+    """The threadgroup memory of a built program: its threadgroup arrays' bytes."""
+    return sum(size for _, size in _THREADGROUP[binary])
+
+
 def _threadgroup_arrays(binary: Path) -> list[tuple[int, int]]:
     """The static variables of functions outside the runtime (the kernel's threadgroup arrays:
     a body may declare no other), each as (offset from emu::team, bytes)."""
@@ -72,7 +77,7 @@ def _threadgroup_arrays(binary: Path) -> list[tuple[int, int]]:
         at, size, name = int(parts[0], 16), int(parts[1], 16), parts[3]
         if name == "emu::team":
             team = at
-        elif re.search(r"\)::\w+$", name) and not name.startswith("emu::"):
+        elif re.search(r"\)::\w+$", name) and not name.startswith(("emu::", "guard variable")):
             found.append((at, size))
     return [(at - team, size) for at, size in found]
 

@@ -327,24 +327,13 @@ class MetalKernel:
                  stream=None):
         template = list(template or [])
         inputs = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
-        names = [*self.input_names, *self.output_names, *(f"{n}_{s}" for n in self.input_names for s in ("shape", "strides", "ndim")),
-                 *(k for k, _ in template)]
-        types = tuple(k for k, v in template if isinstance(v, mx.Dtype))
-        problems = _check(self.source, tuple(names), types)
-        if problems:
-            raise StrictnessError(f"{self.name}.metal: Metal would not compile this body: " + "\n".join(problems))
         if prod(threadgroup) > MAX_THREADS:  # MLX's own message (mlx/backend/metal/custom_kernel.cpp)
             raise ValueError(f"Thread group size ({prod(threadgroup)}) is greater than  the maximum allowed threads per threadgroup ({MAX_THREADS}).")
         dispatched = [min(t, g) for t, g in zip(threadgroup, grid)]
         if "simd_" in self.source and prod(dispatched) % SIMD_WIDTH:
             raise ValueError(f"{self.name}: threadgroups of {prod(dispatched)} threads are not whole {SIMD_WIDTH}-lane simdgroups, "
                              "which its simdgroup functions assume")
-        call, text = mlx_source(self.name, self.input_names, self.output_names, self.source, inputs, output_dtypes, template, self.header)
-        if verbose:
-            print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
-        # g++'s messages name the .metal file's lines (kernel_source keeps them)
-        program = text.replace(") {\n" + self.source, f') {{\n#line 1 "{self.name}.metal"\n' + self.source, 1)
-        binary = gpu_emulator.build('#include "metal_shim.h"\n' + program + self._launcher(call, inputs, output_dtypes))
+        binary = self._build(inputs, output_dtypes, template, verbose)
         buffers = []
         for n, a in zip(self.input_names, inputs):
             data, strides = _device_bytes(a, self.contiguous)
@@ -364,6 +353,26 @@ class MetalKernel:
             host = np.frombuffer(data, _host_dtype(dtype)).reshape(shape)
             results.append(mx.array(host).view(mx.bfloat16) if dtype == mx.bfloat16 else mx.array(host))
         return results
+
+    def _build(self, inputs: list[mx.array], output_dtypes, template: list, verbose: bool = False):
+        """The program of a launch on inputs: the strictness check, then MLX's source compiled."""
+        names = [*self.input_names, *self.output_names, *(f"{n}_{s}" for n in self.input_names for s in ("shape", "strides", "ndim")),
+                 *(k for k, _ in template)]
+        types = tuple(k for k, v in template if isinstance(v, mx.Dtype))
+        problems = _check(self.source, tuple(names), types)
+        if problems:
+            raise StrictnessError(f"{self.name}.metal: Metal would not compile this body: " + "\n".join(problems))
+        call, text = mlx_source(self.name, self.input_names, self.output_names, self.source, inputs, output_dtypes, template, self.header)
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
+        # g++'s messages name the .metal file's lines (kernel_source keeps them)
+        program = text.replace(") {\n" + self.source, f') {{\n#line 1 "{self.name}.metal"\n' + self.source, 1)
+        return gpu_emulator.build('#include "metal_shim.h"\n' + program + self._launcher(call, inputs, output_dtypes))
+
+    def threadgroup_bytes(self, *, inputs, output_dtypes, template=None, **_) -> int:
+        """The threadgroup memory the kernel declares for this launch (its program is built, not run)."""
+        inputs = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
+        return gpu_emulator.threadgroup_bytes(self._build(inputs, output_dtypes, list(template or [])))
 
     def _launcher(self, call: str, inputs: list[mx.array], output_dtypes) -> str:
         """The launcher's C++: each buffer cast to its argument's type, in the signature's order."""

@@ -155,6 +155,51 @@ out[thread_position_in_grid.x] = scratch[0];""")
         big(**launch, threadgroup=(64, 1, 1), template=[("N", 8193)])
 
 
+def largest_tree(H, KV, D, dtype) -> int:
+    """The most nodes tree_attention's launcher takes the kernel for at these heads."""
+    T = 1
+    while tree_attention.launch(H, KV, T + 1, D, dtype):
+        T += 1
+    return T
+
+
+@pytest.mark.parametrize("H,KV,D,dtype", [(9, 3, 64, mx.bfloat16), (32, 8, 128, mx.float32)])  # SmolLM2-135M, Llama 3 8B
+def test_tree_attention_threadgroup_memory_is_its_launchers_count(H, KV, D, dtype):
+    """At the largest tree its launcher gives the kernel, tree attention declares the threadgroup
+    memory `launch` counts, within Apple's 32 KiB: the launcher's budget is the kernel's."""
+    T = largest_tree(H, KV, D, dtype)
+    template, _, threads = tree_attention.launch(H, KV, T, D, dtype)
+    t = dict(template)
+    count = 4 * (2 * T + 1 + t["R"] * D + t["NW"] * t["R"] * (D + 2)) + dtype.size * T * D
+    kernel = metal_emulator.metal_kernel("tree_attention", ["q", "k", "v", "tk", "tv", "parents", "prefix", "scale", "positions", "freqs"],
+                                         ["out", "rk"], kernels.kernel_source("metal", "tree_attention"), ensure_row_contiguous=False)
+    arrays = [mx.zeros((1, 1, 8, D), dtype)] * 5 + [mx.zeros((T,), mx.int32), mx.zeros((1,), mx.int32), mx.zeros((1,), mx.float32),
+                                                    mx.zeros((T,), mx.int32), mx.zeros((D // 2,), mx.float32)]
+    measured = kernel.threadgroup_bytes(inputs=arrays, output_dtypes=[dtype, dtype], template=template)
+    assert measured == count <= tree_attention.SHARED_BYTES == 32 << 10
+    assert not tree_attention.launch(H, KV, T + 1, D, dtype)
+
+
+def test_threadgroup_memory_within_32_kib_at_the_launchers_limits():
+    """The beam step at k = 16 (the most its launcher takes) and packing 1024 beam positions (the
+    most a threadgroup has threads for) declare at most 32 KiB of threadgroup memory."""
+    def kernel(name, inputs, outputs):
+        return metal_emulator.metal_kernel(name, inputs, outputs, kernels.kernel_source("metal", name))
+
+    chunks = kernel("beam_topk_chunks", ["logits"], ["part_m", "part_s", "part_v", "part_i"])
+    merge = kernel("beam_topk_merge", ["part_m", "part_s", "part_v", "part_i", "scores"], ["origin", "token", "score"])
+    pack = kernel("pack_beams", ["beams"], ["tokens", "parents", "depths", "mask", "node_of", "count"])
+    parts = [mx.zeros((1, 16, 8)), mx.zeros((1, 16, 8)), mx.zeros((1, 16, 8, 16)), mx.zeros((1, 16, 8, 16), mx.int32), mx.zeros((1, 16))]
+    sizes = [
+        chunks.threadgroup_bytes(inputs=[mx.zeros((1, 16, 16384))], output_dtypes=[mx.float32] * 3 + [mx.int32],
+                                 template=[("T", mx.float32), ("K", 16), ("TG", topk.TG), ("E", topk.PER_THREAD)]),
+        merge.threadgroup_bytes(inputs=parts, output_dtypes=[mx.int32, mx.int32, mx.float32], template=[("K", 16), ("TG", topk.TG), ("V", 16384)]),
+        pack.threadgroup_bytes(inputs=[mx.zeros((1, 1024), mx.int32)], output_dtypes=[mx.int32] * 3 + [mx.bool_, mx.int32, mx.int32],
+                               template=[("BW", 1), ("BL", 1024), ("TN", 1024)]),
+    ]
+    assert all(0 < size <= 32 << 10 for size in sizes), sizes
+
+
 # ----------------------------------------------------------------------------- each kernel
 
 
