@@ -42,25 +42,29 @@ class Kernel:
 
     MLX builds a kernel's program when its outputs are evaluated, not when it is called, so an
     error would surface at some later `mx.eval`, far from here. The first launch of each program
-    (template, dtypes, threadgroup) therefore also runs on zeros of the inputs' shapes, evaluated
-    at once: zeros, because inside `mx.compile` the inputs are placeholders that cannot be."""
+    therefore also runs on zeros of the inputs' shapes, evaluated at once: zeros, because inside
+    `mx.compile` the inputs are placeholders that cannot be. A program is told apart by its
+    template and threadgroup (the launchers name every input dtype that varies in the template):
+    a pass launches ~150 kernels, and reading every input's dtype and size at each launch would
+    cost more host time than the launch itself."""
 
     def __init__(self, backend: str, name: str, build, reference):
         self.backend, self.name, self.build, self.reference = backend, name, build, reference
         self._kernel = None
         self._built = set()
 
-    def __call__(self, **launch):
+    def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
+        launch = dict(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                      template=template)
         if _references_only.get() or self.name in _failed:
             return self.reference(**launch)
         try:
-            self._kernel = self._kernel or self.build()
+            if self._kernel is None:
+                self._kernel = self.build()
             outputs = self._kernel(**launch)
-            program = (repr(launch.get("template")), tuple((a.dtype, a.ndim, a.size < 8) for a in launch["inputs"]),
-                       tuple(launch["output_dtypes"]), tuple(launch["threadgroup"]))
+            program = (tuple(template), tuple(threadgroup))
             if program not in self._built:
-                probe = [mx.zeros(a.shape, a.dtype) for a in launch["inputs"]]
-                mx.eval(self._kernel(**{**launch, "inputs": probe}))
+                mx.eval(self._kernel(**{**launch, "inputs": [mx.zeros(a.shape, a.dtype) for a in inputs]}))
                 self._built.add(program)
             return outputs
         except Exception as e:  # whatever the device's compiler or driver raises

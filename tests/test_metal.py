@@ -419,11 +419,12 @@ def test_every_kernel_failing_keeps_decoding_exact(target, tmp_path, monkeypatch
     finally:
         kernels.load_kernel.cache_clear()
     assert got == ref
+    assert model._placed_tree_fn is not None  # the passes took the compiled route, the references inside it
     lines = capsys.readouterr().err.splitlines()
     named = [re.search(r"kernel (\w+) failed", line).group(1) for line in lines]
-    assert sorted(named) == sorted(set(named)) and "tree_attention" in named and "greedy_accept" in named
-    assert all("this GPU compiles nothing" in line for line in lines)
-    assert ("ssm_step" in named) == (kind == "hybrid") and "row_matmul" in named
+    assert len(named) == len(set(named)) and all("this GPU compiles nothing" in line for line in lines)
+    assert set(named) >= {"tree_attention", "row_matmul", "beam_topk_chunks", "beam_topk_merge", "pack_beams", "greedy_accept"}
+    assert ("ssm_step" in named) == (kind == "hybrid")
 
 
 def test_the_cli_doctor_on_emulated_metal(metal, monkeypatch, capsys):
