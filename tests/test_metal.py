@@ -97,6 +97,14 @@ def test_generated_source_is_mlxs_own(name, capfd, tmp_path):
     assert ours == mlx_text
 
 
+@pytest.mark.parametrize("name", sorted(LAUNCHES))
+def test_every_metal_body_passes_the_strictness_check(name):
+    inputs, outputs, _, launch = LAUNCHES[name]
+    names = [*inputs, *outputs, *(f"{n}_{s}" for n in inputs for s in ("shape", "strides", "ndim")), *(k for k, _ in launch["template"])]
+    types = [k for k, v in launch["template"] if isinstance(v, mx.Dtype)]
+    assert metal_emulator.check_body(kernels.kernel_source("metal", name), names, types) == []
+
+
 def test_strictness_names_are_the_shims():
     """Every MSL name the strictness check allows is one the shim defines."""
     shim = (metal_emulator.gpu_emulator.HEADERS / "metal_shim.h").read_text()
