@@ -340,8 +340,11 @@ def doctor():
     results = [checks.check(case, backend) for case in checks.cases()]
     for r in results:
         table.add_row(r.kernel, "n/a" if r.kernel_error is None else f"{r.kernel_error:.2g}", "n/a" if r.ms is None else f"{r.ms:.3f}",
-                      f"{r.reference_error:.2g}", "ok" if r.ok else f"FAIL: {r.problem}", style=None if r.ok else "red")
+                      f"{r.reference_error:.2g}", "ok" if r.ok else "FAIL", style=None if r.ok else "red")
     out.print(table)
+    for r in results:
+        if not r.ok:
+            out.print(f"{r.kernel}: {r.problem}", markup=False, soft_wrap=True)
     failed = sum(not r.ok for r in results)
     if backend and info["simdgroup width"] != "32":
         raise HybridError(f"the kernels assume 32 threads a simdgroup; this GPU reports {info['simdgroup width']}")
