@@ -5,7 +5,13 @@ checked against float64 numpy; a reference that is off fails the command in one 
 import pytest
 from test_cli import assert_one_line_error, run
 
-from mlx_hybrid import doctor
+from mlx_hybrid import doctor, kernels
+
+
+@pytest.fixture(autouse=True)
+def cpu(monkeypatch):
+    """No kernel backend, whatever this machine has."""
+    monkeypatch.setattr(kernels, "kernel_backend", lambda: None)
 
 
 def test_doctor_on_the_cpu_checks_every_reference(monkeypatch, capsys):
