@@ -8,17 +8,18 @@
 //   writes before the barrier always sees the old value in one of the two orders. With
 //   EMULATOR_ORDERS=2 (the default) every launch runs in both orders, and outputs that differ
 //   between them are reported as a race.
-// - Threadgroup memory (the `tgmem` section) and outputs start filled with 0xff bytes (NaN for
-//   floats), as a GPU leaves them unset; uninitialized locals are a fixed pattern
-//   (-ftrivial-auto-var-init=pattern). Device buffers end at an unmapped page: a read or write
-//   past an input or output stops the program.
+// - Threadgroup memory (the kernel's threadgroup arrays, `regions`) and outputs start filled with
+//   0xff bytes (NaN for floats), as a GPU leaves them unset; uninitialized locals are a fixed
+//   pattern (-ftrivial-auto-var-init=pattern). Device buffers end at an unmapped page: a read or
+//   write past an input or output stops the program.
 // - A barrier must be reached by every thread of the threadgroup at the same call site, and a
 //   simdgroup operation by every lane of the simdgroup still running; a lane that has returned,
 //   or does not exist (a partial simdgroup), contributes 0xff bytes to shuffles.
 //
-// OS threads were the first design (one std::thread a GPU thread, std::barrier): their barriers
-// cost a futex wake-up per thread and the schedule was the kernel's, so a race showed only by
-// chance. Fibers switch in a few hundred nanoseconds and make every run repeatable.
+// The CUDA emulator first ran one std::thread a GPU thread with std::barrier: every barrier and
+// shuffle cost a futex wake-up per thread, on CI's two shared cores the bulk of the suite's
+// kernel tests, and the OS chose the schedule, so a race showed only by chance. Fibers make every
+// run repeatable.
 #pragma once
 
 #include <csignal>
@@ -53,7 +54,7 @@ enum State { kReady, kBarrier, kSimd, kDone };
 
 // Switching between threads. On x86-64 a few instructions save the callee-saved registers on
 // the running stack and load another's (swapcontext also saves the signal mask, a system call
-// each way, which made a tree attention launch take a second); elsewhere ucontext.
+// each way, and a tree attention launch switches a million times); elsewhere ucontext.
 #if defined(__x86_64__)
 struct Context {
   void* sp;
