@@ -324,6 +324,34 @@ def tune(
         out.print("plot skipped: pip install matplotlib", markup=False)
 
 
+@app.command()
+def doctor():
+    """Check this device: every GPU kernel against its pure-MLX reference (run this first, paste it into bug reports)."""
+    from rich.table import Table
+
+    from mlx_hybrid import doctor as checks
+
+    info = checks.device()
+    for name, value in info.items():
+        out.print(f"{name:<16} {value}", markup=False)
+    backend = checks.kernels.kernel_backend()
+    table = Table("kernel", "kernel vs reference", "ms a launch", "reference vs float64", "result", box=None, pad_edge=False)
+    results = [checks.check(case, backend) for case in checks.cases()]
+    for r in results:
+        table.add_row(r.kernel, "n/a" if r.kernel_error is None else f"{r.kernel_error:.2g}", "n/a" if r.ms is None else f"{r.ms:.3f}",
+                      f"{r.reference_error:.2g}", "ok" if r.ok else "FAIL", style=None if r.ok else "red")
+    out.print(table)
+    for r in results:
+        if not r.ok:
+            out.print(f"{r.kernel}: {r.problem}", markup=False, soft_wrap=True)
+    failed = sum(not r.ok for r in results)
+    if backend and info["simdgroup width"] != "32":
+        raise HybridError(f"the kernels assume 32 threads a simdgroup; this GPU reports {info['simdgroup width']}")
+    if failed:
+        raise HybridError(f"{failed} of {len(results)} kernel checks failed")
+    out.print(f"all {len(results)} checks passed", markup=False)
+
+
 def main():
     """Entry point: runs the app and turns every user error into one line on stderr."""
     command = typer.main.get_command(app)

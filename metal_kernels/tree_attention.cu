@@ -48,7 +48,7 @@ __syncthreads();
 if (tid == 0) {  // the tree rows node t sees: itself, then its ancestors
   int n = t;
   int depth = 0;
-  while (n >= 0) {
+  while (n >= 0 && depth < TN) {  // bounded: parents with a cycle (kernels.Kernel first launches on zeros) must not hang
     chain[depth] = n;
     depth += 1;
     n = par[n];

@@ -12,10 +12,12 @@ them (two gated linear-attention updates, their gates, the mix, the norm), and a
 and host time for each; on the kernel it is 5-7, the projections included. The pure-MLX reference is the DSLA
 mixer's unfused path (`mlx_hybrid.models.hybrid.DSLA`, `gated_linear_attention` for a step and
 `gated_linear_attention_tree` for a tree), which every backend without a kernel runs; the kernel
-is metal_kernels/dsla_step.metal and its CUDA twin.
+is metal_kernels/dsla_step.metal and its CUDA twin. `dsla_step_ref` is the same computation from
+the kernel's own arguments: the ground truth of a launch, and what runs if the kernel fails.
 """
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_hybrid.kernels import load_kernel
 
@@ -53,7 +55,8 @@ def dsla_step(qkv, a1, a2, s1, s2, mix, norm_w, consts, parents=None, *, kv_head
     threads = -(-D * S // 32) * 32  # whole SIMD groups: all take part in the shuffles
     norm = norm_w is not None
     states = (b, TN, heads, D, D) if tree else s1.shape
-    return load_kernel(backend, "dsla_step", ("qkv", "a1", "a2", "s1", "s2", "mix", "norm_w", "consts", "parents"), ("y", "s1_out", "s2_out"))(
+    names = ("qkv", "a1", "a2", "s1", "s2", "mix", "norm_w", "consts", "parents")
+    return load_kernel(backend, "dsla_step", names, ("y", "s1_out", "s2_out"), reference=_reference)(
         inputs=[qkv, a1, a2, s1.astype(mx.float32), s2.astype(mx.float32), mix, norm_w if norm else consts, consts,
                 parents if tree else _ROOT],
         # T, Tg, Tn name every input dtype: MLX caches a compiled CUDA kernel by its name, which
@@ -65,3 +68,42 @@ def dsla_step(qkv, a1, a2, s1, s2, mix, norm_w, consts, parents=None, *, kv_head
         output_shapes=[(b, TN, heads * D), states, states],
         output_dtypes=[qkv.dtype, mx.float32, mx.float32],
     )
+
+
+def dsla_step_ref(qkv, a1, a2, s1, s2, mix, norm_w, consts, parents=None, *, kv_heads: int):
+    """`dsla_step` in MLX ops (float32), from the same arguments, with the same outputs."""
+    b, heads, D, _ = s1.shape
+    TN = qkv.shape[1]
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731  the kernel computes in float32
+    q, k, v = mx.split(f32(qkv).reshape(b, TN, -1, D), [heads, heads + kv_heads], axis=2)
+    k, v = (mx.repeat(a, heads // kv_heads, axis=2) for a in (k, v))  # (b, TN, heads, D)
+    q = q * D**-0.5
+    g1, g2 = (mx.maximum(nn.log_sigmoid(f32(a)).reshape(b, TN, heads, D) * consts[0], consts[1]) for a in (a1, a2))
+    w1 = mx.sigmoid(mix[0] - mix[1]) if mix.size == 2 else mix[0]  # softmax of two, or gamma
+    kv = k[..., :, None] * v[..., None, :]  # (b, TN, heads, D keys, D values)
+    tree = list(range(-1, TN - 1)) if parents is None else parents
+    states, ys = ([f32(s1)], [f32(s2)]), []
+    for t in range(TN):
+        after = []
+        for g, held in zip((g1, g2), states):
+            # the parent's state: a gather on the device where the parents are an array
+            parent = mx.stack(held)[tree[t] + 1] if isinstance(tree, mx.array) else held[tree[t] + 1]
+            after.append(mx.exp(g[:, t, ..., None]) * parent + kv[:, t])
+            held.append(after[-1])
+        o1, o2 = ((q[:, t, :, :, None] * h).sum(axis=-2) for h in after)  # (b, heads, D)
+        o = w1 * o1 + (1 - w1) * o2
+        if norm_w is not None:
+            o = o * mx.rsqrt((o * o).mean(axis=-1, keepdims=True) + consts[2]) * f32(norm_w)
+        ys.append(o)
+    y = mx.stack(ys, axis=1).reshape(b, TN, heads * D).astype(qkv.dtype)
+    s1_out, s2_out = (mx.stack(held[1:], axis=1) for held in states)
+    return (y, s1_out, s2_out) if parents is not None else (y, s1_out[:, 0], s2_out[:, 0])
+
+
+def _reference(*, inputs, template, output_shapes, **_):
+    """`dsla_step_ref` on the kernel's launch (its fallback)."""
+    qkv, a1, a2, s1, s2, mix, norm_w, consts, parents = inputs
+    t = dict(template)
+    tree = len(output_shapes[1]) == 5  # a tree's states come per node
+    return list(dsla_step_ref(qkv, a1, a2, s1, s2, mix, norm_w if t["NORM"] else None, consts, parents if tree else None, kv_heads=t["KV"]))
+

@@ -21,13 +21,15 @@ to the Metal or CUDA kernel in `metal_kernels/` when the default device has one.
 `ssm_step` is a whole Mamba or Mamba2 mixer between its two projections (conv, activations,
 scan updates, gate) in one GPU launch, for a decode step or for the nodes of a candidate tree (a
 verification pass): unfused, either is a chain of ~25 small ops a layer, and on a GPU each costs
-a launch and host time. Its pure-MLX reference is the mixer's unfused path
-(`mlx_hybrid.models.hybrid`), which every backend without a kernel runs.
+a launch and host time. Its pure-MLX reference is `ssm_step_ref`, the same computation from the
+same arguments; a backend without the kernel runs the mixer's unfused path
+(`mlx_hybrid.models.hybrid`) instead, which the tests hold to the kernel's results.
 """
 
 from typing import Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_hybrid.kernels import kernel_backend, load_kernel
 
@@ -50,7 +52,7 @@ def selective_scan_ref(
     state: (batch, n, channels) float32, the state before the first token;
     save: positions in [0, L) whose states to return (default: the last);
     parents: for a tree of tokens, each token's parent position (-1: the cached state); a list, or
-        an int32 array built on the device (the kernels read it there, this reference on the host).
+        an int32 array built on the device (read there, by gathers).
     Returns y (batch, L, channels) in x's dtype and the saved states (batch, len(save), n, channels).
     """
     b, L, d = x.shape
@@ -62,10 +64,13 @@ def selective_scan_ref(
     Cc = mx.repeat(C.astype(mx.float32), expand, axis=2).transpose(0, 1, 3, 2)
     xf, dtf, Af = x.astype(mx.float32), dt.astype(mx.float32), A.astype(mx.float32)
     h0 = state.astype(mx.float32)
-    parents = list(range(-1, L - 1)) if parents is None else (parents.tolist() if isinstance(parents, mx.array) else list(parents))
+    parents = list(range(-1, L - 1)) if parents is None else parents
     ys, hs = [], []
     for t in range(L):
-        h = h0 if parents[t] < 0 else hs[parents[t]]
+        if isinstance(parents, mx.array):  # gathered on the device (inside mx.compile its values are unknown)
+            h = mx.stack([h0, *hs])[parents[t] + 1]
+        else:
+            h = h0 if parents[t] < 0 else hs[parents[t]]
         h = mx.exp(dtf[:, t, None, :] * Af) * h + (dtf[:, t] * xf[:, t])[:, None, :] * Bc[:, t]
         ys.append((Cc[:, t] * h).sum(axis=1))
         hs.append(h)
@@ -142,7 +147,8 @@ def _launch(backend, x, dt, A, B, C, D, state, save, parents=None):
     sequence with its state column in registers (metal_kernels/selective_scan.cu)."""
     b, L, d = x.shape
     n = B.shape[3]
-    y, states = load_kernel(backend, "selective_scan", ("x", "dt", "A", "B", "C", "D", "state", "save", "parents"), ("y", "states"))(
+    names = ("x", "dt", "A", "B", "C", "D", "state", "save", "parents")
+    y, states = load_kernel(backend, "selective_scan", names, ("y", "states"), reference=_scan_reference)(
         inputs=[x, dt, A.astype(mx.float32), B, C, D.astype(mx.float32), state.astype(mx.float32),
                 mx.array(save, dtype=mx.int32), mx.array([-1] if parents is None else parents).astype(mx.int32)],
         # T, Tdt, Tbc name every input dtype: MLX caches a compiled CUDA kernel by its name,
@@ -158,6 +164,12 @@ def _launch(backend, x, dt, A, B, C, D, state, save, parents=None):
         output_dtypes=[x.dtype, mx.float32],
     )
     return y, states
+
+
+def _scan_reference(*, inputs, template, **_):
+    """`selective_scan_ref` on the kernel's launch (its fallback)."""
+    x, dt, A, B, C, D, state, save, parents = inputs
+    return selective_scan_ref(x, dt, A, B, C, D, state, save.tolist(), parents if dict(template)["TREE"] else None)
 
 
 _ROOT = mx.array([-1], mx.int32)  # the decode step: one token continuing the cache
@@ -187,7 +199,7 @@ def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=No
     lanes = min(32, 1 << (n.bit_length() - 1))  # threads a channel, each a share of its n state rows
     return load_kernel(
         backend, "ssm_step", ("u", "dt", "window", "conv_w", "conv_b", "dt_bias", "A_log", "D", "state", "parents"),
-        ("g", "window_out", "state_out"),
+        ("g", "window_out", "state_out"), reference=_step_reference,
     )(
         inputs=[u, dt, window, conv_w.astype(dtype), conv_b.astype(dtype), dt_bias.astype(mx.float32),
                 A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32), parents if tree else _ROOT],
@@ -198,3 +210,50 @@ def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=No
         output_shapes=[(b, TN, d), (b, TN, *window.shape[1:]) if tree else window.shape, (b, TN, n, d) if tree else state.shape],
         output_dtypes=[dtype, dtype, mx.float32],
     )
+
+
+def ssm_step_ref(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=None, *, mamba2: bool, d_xb: int, offsets):
+    """`ssm_step` in MLX ops, from the same arguments (conv weights in u's dtype, the rest as the
+    kernel takes them), with its outputs: the ground truth of the fused kernel, and what runs if
+    the kernel fails."""
+    from mlx_hybrid.models.hybrid import ancestor_index, expand_groups  # hybrid imports this module
+
+    b, n, d = state.shape
+    TN, K = u.shape[1], conv_w.shape[1]
+    ox, oz, ob, oc = offsets
+    r, width = d // d_xb, conv_w.shape[0]
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731  the kernel computes in float32
+    # The conv inputs: Mamba2's [x, B, C] as stored, Mamba's x expanded to every head.
+    conv_in = u[..., ox : ox + width] if mamba2 else expand_groups(u[..., ox : ox + d_xb], n, r)
+    rows = mx.concatenate([window.astype(u.dtype), conv_in], axis=1)  # (b, K-1 + TN, width)
+    idx = ancestor_index(mx.array([-1], mx.int32) if parents is None else parents, K)  # oldest first, the node last
+    conv = nn.silu((f32(rows[:, idx]) * f32(conv_w).T).sum(axis=2) + f32(conv_b))  # (b, TN, width)
+    heads = d // n
+    if mamba2:
+        x = expand_groups(conv[..., :d_xb], n, r)
+        Bm = expand_groups(conv[..., d_xb : 2 * d_xb], n, r).reshape(b, TN, heads, n)
+        Cm = conv[..., 2 * d_xb : 2 * d_xb + d].reshape(b, TN, heads, n)
+        dt = mx.repeat(f32(dt[..., :heads]) + f32(dt_bias), n, axis=-1)
+        A, Dc = mx.repeat(-mx.exp(f32(A_log)), n)[None], mx.repeat(f32(D), n)
+    else:
+        x = conv
+        Bm = expand_groups(f32(u[..., ob : ob + d_xb]), n, r).reshape(b, TN, heads, n)
+        Cm = f32(u[..., oc : oc + d]).reshape(b, TN, heads, n)
+        dt, A, Dc = f32(dt[..., :d]) + f32(dt_bias), -mx.exp(f32(A_log)).T, f32(D)
+    dt = mx.where(dt > 20, dt, mx.log1p(mx.exp(dt)))  # softplus, as the kernel takes it
+    tree = list(range(-1, TN - 1)) if parents is None else parents
+    y, states = selective_scan_ref(x, dt, A, Bm, Cm, Dc, state, range(TN), tree)
+    g = (y * nn.silu(f32(u[..., oz : oz + d]))).astype(u.dtype)
+    after = rows[:, idx[:, 1:]]  # each node's window: its K-1 newest conv inputs, oldest first
+    if parents is None:
+        return g, after[:, 0], states[:, 0]
+    return g, after, states
+
+
+def _step_reference(*, inputs, template, output_shapes, **_):
+    """`ssm_step_ref` on the kernel's launch (its fallback): over a tree when it returns a window a node."""
+    u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents = inputs
+    t = dict(template)
+    tree = len(output_shapes[1]) == 4
+    return ssm_step_ref(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents if tree else None,
+                        mamba2=bool(t["MAMBA2"]), d_xb=t["DXB"], offsets=(t["OX"], t["OZ"], t["OB"], t["OC"]))

@@ -18,19 +18,43 @@ from mlx_hybrid.rope import apply_rope_at
 
 
 def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
-                       visible: mx.array, prefix: int, scale: float, positions: mx.array, freqs: mx.array) -> tuple[mx.array, mx.array]:
+                       visible: mx.array, prefix: int | mx.array, scale: float | mx.array, positions: mx.array,
+                       freqs: mx.array) -> tuple[mx.array, mx.array]:
     """q (1, H, T, D) for the T nodes and tree_keys (1, KV, T, D) before RoPE, which turns them at
     positions (T,) with `freqs` (`mlx_hybrid.rope`); keys, values (1, KV, >= prefix, D), the cache,
     whose first prefix rows come before the tree; tree_values (1, KV, T, D) the nodes'; visible
-    (T, T) bool, node s is node t or an ancestor of it (`TreeMask.visible`). Returns the output (1, T,
-    H, D) and the tree's turned keys."""
+    (T, T) bool, node s is node t or an ancestor of it (`TreeMask.visible`). prefix and scale may be
+    arrays of one element, as the kernel takes them (the rows past prefix are then masked, not
+    cut: inside mx.compile an array's value is unknown). Returns the output (1, T, H, D) and the
+    tree's turned keys."""
     q, tree_keys = (apply_rope_at(a.transpose(2, 1, 0, 3), freqs, positions).transpose(2, 1, 0, 3) for a in (q, tree_keys))
-    keys = mx.concatenate([keys[..., :prefix, :], tree_keys], axis=2)
-    values = mx.concatenate([values[..., :prefix, :], tree_values], axis=2)
     T = q.shape[2]
-    mask = mx.concatenate([mx.ones((T, prefix), mx.bool_), visible], axis=1)
+    if isinstance(prefix, int):
+        keys, values = keys[..., :prefix, :], values[..., :prefix, :]
+    cached = mx.broadcast_to((mx.arange(keys.shape[2]) < prefix)[None], (T, keys.shape[2]))
+    keys = mx.concatenate([keys, tree_keys], axis=2)
+    values = mx.concatenate([values, tree_values], axis=2)
+    mask = mx.concatenate([cached, visible], axis=1)
+    if isinstance(scale, mx.array):
+        q, scale = (q.astype(mx.float32) * scale).astype(q.dtype), 1.0
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3), tree_keys
+
+
+def _visible(parents: mx.array) -> mx.array:
+    """`TreeMask.visible` from parents on the device: node t's row marks t and its ancestors."""
+    T = parents.shape[0]
+    node, mask = mx.arange(T), mx.zeros((T, T), mx.bool_)
+    for _ in range(T):
+        mask = mask | (node[:, None] == mx.arange(T))
+        node = mx.where(node >= 0, parents[mx.maximum(node, 0)], -1)
+    return mask
+
+
+def _attention_reference(*, inputs, **_):
+    """`tree_attention_ref` on the kernel's launch (its fallback)."""
+    q, keys, values, tree_keys, tree_values, parents, prefix, scale, positions, freqs = inputs
+    return tree_attention_ref(q, keys, values, tree_keys, tree_values, _visible(parents), prefix, scale, positions, freqs)
 
 
 # Visible rows a lane group scores side by side, and simdgroups a threadgroup (metal_kernels/
@@ -73,7 +97,7 @@ def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.
     KV = keys.shape[1]
     template, groups, threads = launch(H, KV, T, D, q.dtype)
     names = ("q", "k", "v", "tk", "tv", "parents", "prefix", "scale", "positions", "freqs")
-    kernel = load_kernel(backend, "tree_attention", names, ("out", "rk"), contiguous=False)
+    kernel = load_kernel(backend, "tree_attention", names, ("out", "rk"), contiguous=False, reference=_attention_reference)
     return kernel(
         inputs=[q, keys, values, tree_keys, tree_values, parents, prefix, scale, positions, freqs],
         template=template,

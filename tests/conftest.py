@@ -22,3 +22,22 @@ def exact_float32(monkeypatch):
         monkeypatch.setattr(module, "generation_stream", cpu)
     with mx.stream(cpu):
         yield
+
+
+@pytest.fixture(autouse=True)
+def no_kernel_fallback(request):
+    """A kernel that fails falls back to its reference (`mlx_hybrid.kernels.Kernel`), whose
+    results are right: a test of a kernel would then pass on the reference. Every test fails if a
+    kernel failed during it, unless it is marked `kernel_failure` (it expects one)."""
+    from mlx_hybrid import kernels
+
+    kernels._failed.clear()
+    yield
+    failed = kernels.failures()
+    kernels._failed.clear()
+    if failed and not request.node.get_closest_marker("kernel_failure"):
+        pytest.fail(f"kernels fell back to their references: {failed}")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernel_failure: the test makes a kernel fail on purpose")

@@ -20,7 +20,7 @@ from mlx_hybrid.convert.dsla_serve import FORM
 from mlx_hybrid.models import hybrid
 from mlx_hybrid.speculative.tree import path_to
 from mlx_hybrid.tree_mask import TreeMask
-from tests.helpers import cuda_emulator
+from tests.helpers import cuda_emulator, metal_emulator
 from tests.helpers.factories import GPU_BACKENDS
 
 PARITY_TOL = {mx.float32: (1e-4, 1e-4), mx.bfloat16: (2e-2, 2e-2)}
@@ -113,7 +113,7 @@ def test_kernel_matches_unfused_path(backend, dtype, monkeypatch):
 
 
 # Kernel bodies run on the CPU by an emulator with `mlx_hybrid.kernels.load_kernel`'s signature.
-EMULATORS = {"cuda": cuda_emulator}
+EMULATORS = {"cuda": cuda_emulator, "metal": metal_emulator}
 
 
 @pytest.mark.parametrize(

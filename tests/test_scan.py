@@ -158,13 +158,15 @@ PARITY_SHAPES = list(
 CHANNELS = 300  # not a multiple of the 64-thread threadgroup: the last group is partial
 
 
-def check_parity(backend, dtype):
+def check_parity(backend, dtype, shapes=PARITY_SHAPES, trees=tuple(itertools.product([16, 64], [1, 3])), device=mx.gpu):
+    """The kernel against the reference at shapes (n, groups, NA, L, batch), and over TREE at
+    trees (n, batch), on device (the CPU runs the Metal emulator)."""
     atol, rtol = PARITY_TOL[dtype]
     worst_y = worst_s = used = 0.0
-    for n, groups, na, L, batch in PARITY_SHAPES:
+    for n, groups, na, L, batch in shapes:
         args = make_inputs(batch, L, CHANNELS, groups, n, 1 if na == "1" else n, dtype, seed=n + L + batch)
         save = [L - 1] if L == 1 else [L // 2, L - 1]
-        with mx.stream(mx.gpu):
+        with mx.stream(device):
             y, states = selective_scan_kernel(*args, save=save, backend=backend)
             y_ref, states_ref = selective_scan_ref(*args, save=save)
         y, y_ref = np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32))
@@ -175,16 +177,16 @@ def check_parity(backend, dtype):
         worst_y = max(worst_y, float(np.abs(y - y_ref).max()))
         worst_s = max(worst_s, float(np.abs(states - states_ref).max()))
         used = max(used, float((np.abs(y - y_ref) / (atol + rtol * np.abs(y_ref))).max()))
-    for n, batch in itertools.product([16, 64], [1, 3]):  # trees: every node's state is saved
+    for n, batch in trees:  # trees: every node's state is saved
         args = make_inputs(batch, len(TREE), CHANNELS, 4, n, n, dtype, seed=n + batch)
-        with mx.stream(mx.gpu):
+        with mx.stream(device):
             y, states = selective_scan_kernel(*args, save=range(len(TREE)), parents=TREE, backend=backend)
             y_ref, states_ref = selective_scan_ref(*args, save=range(len(TREE)), parents=TREE)
         case = f"{dtype} tree n={n} batch={batch}"
         np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32)),
                                    atol=atol, rtol=rtol, err_msg=case)
         np.testing.assert_allclose(np.array(states), np.array(states_ref), atol=1e-4, rtol=1e-4, err_msg=case)
-    print(f"\n{backend} {dtype}: {len(PARITY_SHAPES)} shapes, max |y - ref| {worst_y:.3g} "
+    print(f"\n{backend} {dtype}: {len(shapes)} shapes, max |y - ref| {worst_y:.3g} "
           f"(at most {used:.0%} of the tolerance), max |state - ref| {worst_s:.3g}")
 
 

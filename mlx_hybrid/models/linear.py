@@ -53,7 +53,7 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | Non
     npt = 4 if K % 128 == 0 else 2 if K % 64 == 0 else 1  # as MLX's matrix-vector kernel loads
     flags = [("NORM", norm is not None), ("GATE", gated), ("RES", residual is not None)]
     template = [("T", x.dtype), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS)), *flags]
-    kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "eps", "r"), ("y",))
+    kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "eps", "r"), ("y",), reference=_rows_reference)
     return kernel(
         inputs=[x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual],
         template=template,
@@ -62,6 +62,19 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | Non
         output_shapes=[(M, N)],
         output_dtypes=[x.dtype],
     )[0]
+
+
+def _rows_reference(*, inputs, template, **_):
+    """`row_matmul`'s launch in MLX ops (its fallback): SwiGLU, RMSNorm, product, residual."""
+    x, w, nw, eps, r = inputs
+    t = dict(template)
+    if t["GATE"]:
+        x = swiglu(*mx.split(x, 2, axis=-1))
+    if t["NORM"]:
+        x32 = x.astype(mx.float32)
+        x = (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * nw
+    y = row_matmul_ref(x, w)
+    return [r + y if t["RES"] else y]
 
 
 def row_product(x: mx.array, w: mx.array, norm: nn.RMSNorm | None = None, gated: bool = False,

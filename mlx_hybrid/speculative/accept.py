@@ -114,7 +114,7 @@ def greedy_rows(draft: Draft, logits: mx.array) -> tuple[mx.array, mx.array]:
 def greedy_rows_kernel(tokens: mx.array, rows: mx.array, best: mx.array, *, backend: str) -> tuple[mx.array, mx.array]:
     """`greedy_rows_ref` on the 'metal' or 'cuda' kernel, from the argmax at each node."""
     width = rows.shape[1]
-    info, last = load_kernel(backend, "greedy_accept", ("tokens", "rows", "best"), ("info", "last"))(
+    info, last = load_kernel(backend, "greedy_accept", ("tokens", "rows", "best"), ("info", "last"), reference=_accept_reference)(
         inputs=[tokens.astype(mx.int32), rows.astype(mx.int32), best],
         template=[("TB", best.dtype)],
         grid=(32, 1, 1),
@@ -128,7 +128,16 @@ def greedy_rows_kernel(tokens: mx.array, rows: mx.array, best: mx.array, *, back
 @mx.compile  # a dozen small ops with one shape per tree: one fused replay per pass
 def greedy_rows_ref(tokens: mx.array, rows: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
     """`greedy_rows` in MLX ops, the reference and the path on devices without the kernel."""
-    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+    return _accept_best(tokens, rows, mx.argmax(logits, axis=-1))
+
+
+def _accept_reference(*, inputs, **_):
+    """`greedy_rows_ref` on the kernel's launch (its fallback), from the argmax at each node."""
+    return _accept_best(*inputs)
+
+
+def _accept_best(tokens: mx.array, rows: mx.array, best: mx.array) -> tuple[mx.array, mx.array]:
+    best = best.astype(mx.int32)
     safe = mx.maximum(rows, 0)
     tokens = tokens.astype(mx.int32)
     ok = (rows[:, 1:] >= 0) & (tokens[safe[:, 1:]] == best[safe[:, :-1]])

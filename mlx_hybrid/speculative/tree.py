@@ -152,9 +152,15 @@ def pack_beams(beams: mx.array) -> PackedBeam:
     backend = kernel_backend()
     if backend is None or width * length > 1024:  # the kernel is one threadgroup, a thread per position
         return pack_beams_ref(beams)
+    return pack_beams_kernel(beams, backend=backend)
+
+
+def pack_beams_kernel(beams: mx.array, *, backend: str) -> PackedBeam:
+    """`pack_beams` on the 'metal' or 'cuda' kernel, for beams (BW, BL) int32, BW * BL <= 1024."""
+    width, length = beams.shape
     size = width * (length - 1) + 1
     tokens, parents, depths, mask, node_of, count = load_kernel(
-        backend, "pack_beams", ("beams",), ("tokens", "parents", "depths", "mask", "node_of", "count")
+        backend, "pack_beams", ("beams",), ("tokens", "parents", "depths", "mask", "node_of", "count"), reference=_pack_reference
     )(
         inputs=[beams],
         template=[("BW", width), ("BL", length), ("TN", size)],
@@ -164,6 +170,12 @@ def pack_beams(beams: mx.array) -> PackedBeam:
         output_dtypes=[mx.int32, mx.int32, mx.int32, mx.bool_, mx.int32, mx.int32],
     )
     return PackedBeam(tokens, TreeMask(parents, depths, mask), node_of, count)
+
+
+def _pack_reference(*, inputs, **_):
+    """`pack_beams_ref` on the kernel's launch (its fallback)."""
+    p = pack_beams_ref(inputs[0])
+    return [p.tokens, p.tree.parents, p.tree.depths, p.tree.mask, p.node_of, p.count.astype(mx.int32)]
 
 
 def pack_beams_ref(beams: mx.array) -> PackedBeam:
