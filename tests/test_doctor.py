@@ -17,13 +17,15 @@ def cpu(monkeypatch):
 def test_doctor_on_the_cpu_checks_every_reference(monkeypatch, capsys):
     code, out, _ = run(monkeypatch, capsys, "doctor")
     assert code == 0, out
-    assert "backend          none" in out and "all 8 checks passed" in out
+    n = len(doctor.cases())
+    assert n == 9  # every kernel of metal_kernels/, beam_topk in its two launches
+    assert "backend          none" in out and f"all {n} checks passed" in out
     for case in doctor.cases():
         assert f"{case.kernel} " in out
-    assert out.count("n/a") == 2 * 8 + 1  # the kernel columns, and the simdgroup width
+    assert out.count("n/a") == 2 * n + 1  # the kernel columns, and the simdgroup width
 
 
-@pytest.mark.parametrize("kernel", ["ssm_step", "pack_beams"])
+@pytest.mark.parametrize("kernel", ["ssm_step", "dsla_step", "pack_beams"])
 def test_a_wrong_reference_fails_the_doctor(monkeypatch, capsys, kernel):
     """A float output 1% off, or an integer output off by one, fails its row and the command."""
     cases = doctor.cases
@@ -38,4 +40,4 @@ def test_a_wrong_reference_fails_the_doctor(monkeypatch, capsys, kernel):
     monkeypatch.setattr(doctor, "cases", off)
     code, out, err = run(monkeypatch, capsys, "doctor")
     assert f"{kernel}: reference off by" in out
-    assert_one_line_error(code, err, "1 of 8 kernel checks failed")
+    assert_one_line_error(code, err, f"1 of {len(cases())} kernel checks failed")

@@ -117,15 +117,16 @@ EMULATORS = {"cuda": cuda_emulator, "metal": metal_emulator}
 
 
 @pytest.mark.parametrize(
-    "body", [pytest.param(name, marks=pytest.mark.skipif(not m.AVAILABLE, reason=f"the {name} body cannot be run on this CPU"))
-             for name, m in EMULATORS.items()]
+    "body,dtype", [pytest.param(name, dtype, marks=pytest.mark.skipif(not m.AVAILABLE, reason=f"the {name} body cannot be run on this CPU"))
+                   for name, m in EMULATORS.items()
+                   for dtype in ([mx.float32] if name == "cuda" else [mx.float32, mx.bfloat16])]  # the CUDA emulator reads float32
 )
-def test_kernel_body_on_the_cpu_matches_unfused_path(body, monkeypatch):
+def test_kernel_body_on_the_cpu_matches_unfused_path(body, dtype, monkeypatch):
     """The GPU test above on every machine: the DSLA mixer calls `dsla_step`, whose body runs on
-    the CPU."""
+    the CPU (the Metal body also in bfloat16, as the GPU test runs it)."""
 
     def emulated():
         monkeypatch.setattr(hybrid, "kernel_backend", lambda: body)
         monkeypatch.setattr(dsla_step, "load_kernel", EMULATORS[body].load_kernel)
 
-    check_against_unfused(mx.float32, "cpu", emulated, monkeypatch, EMULATED_SHAPES)
+    check_against_unfused(dtype, "cpu", emulated, monkeypatch, EMULATED_SHAPES)
