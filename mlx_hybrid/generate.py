@@ -15,9 +15,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_hybrid.adaptive import is_adaptive, request_cache
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.limits import check_sampling, check_token_ids, clip_max_tokens
 from mlx_hybrid.models.linear import matmul_only
 
-generation_stream = mx.new_stream(mx.default_device())
+# One stream per thread (MLX binds a stream to the thread that made it): generation runs from any thread.
+generation_stream = mx.new_thread_local_stream(mx.default_device())
 
 
 @dataclass
@@ -30,17 +32,9 @@ class SamplingParams:
     repetition_context_size: int = 20
     seed: int | None = None
 
-    def check(self):
-        if self.temp < 0:
-            raise HybridError(f"temperature must be >= 0, got {self.temp}")
-        if not 0 <= self.top_p <= 1:
-            raise HybridError(f"top-p must be in [0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise HybridError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise HybridError(f"min-p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise HybridError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
+    def check(self, vocab_size: int | None = None):
+        """One-line errors for values out of range (`limits.check_sampling`); vocab_size bounds top-k."""
+        check_sampling(self, vocab_size)
 
     def sampler(self) -> Callable[[mx.array], mx.array]:
         return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
@@ -136,19 +130,17 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 def request_tokens(model: nn.Module, tokenizer: TokenizerWrapper, prompt, cache: list | None, max_tokens: int):
     """The prompt's tokens and max_tokens cut to the context left after what cache holds; one-line
-    errors for an empty prompt, max_tokens < 1 or a prompt beyond the model's context."""
-    if max_tokens < 1:
-        raise HybridError(f"max tokens must be >= 1, got {max_tokens}")
-    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    errors for an empty prompt, ids outside the vocabulary, max_tokens < 1 or a prompt beyond the
+    model's context."""
+    clip_max_tokens(max_tokens, model)
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(prompt, model.args.vocab_size)
     if not tokens:
         raise HybridError("the prompt is empty")
     used = cache[0].offset if cache else 0
     limit = context_limit(model)
     if limit is not None and used + len(tokens) >= limit:
         raise HybridError(f"the prompt needs {used + len(tokens)} tokens of context but the model's limit is {limit}")
-    if limit is not None:
-        max_tokens = min(max_tokens, limit - used - len(tokens))
-    return tokens, max_tokens
+    return tokens, clip_max_tokens(max_tokens, model, used + len(tokens))
 
 
 class TextStream:
@@ -199,7 +191,7 @@ def stream_generate(
     e.g. "8GB"; default: the device's, see `mlx_hybrid.adaptive`); a budget also applies to others.
     """
     sampling = sampling or SamplingParams()
-    sampling.check()
+    sampling.check(model.args.vocab_size)
     tokens, max_tokens = request_tokens(model, tokenizer, prompt, cache, max_tokens)
     if cache is None and (memory_budget is not None or is_adaptive(model)):
         cache, _ = request_cache(model, len(tokens), max_tokens, memory_budget, prefill_step_size)
