@@ -10,8 +10,6 @@ with an index or not. Tensors are read one at a time (MLX loads safetensors lazi
 import ctypes
 import json
 import mmap
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +18,7 @@ import mlx.core as mx
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.models import hybrid, llama
+from mlx_hybrid.validate import check_model_config, read_json_object
 
 KINDS = ("llama", "mistral", "mamba_in_llama", "llama_hybrid")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # one of them is required
@@ -47,16 +46,6 @@ class Checkpoint:
     shapes: dict[str, tuple[int, ...]]  # every tensor in the files, in file order
 
 
-def staging_dir(dst: Path) -> Path:
-    """An empty directory beside dst to write a conversion into and then rename to dst, with the
-    permissions a plain mkdir gives (mkdtemp's 0700 would make every converted model private)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
-
-
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Detect the kind of checkpoint in `path` and read its config and tensor shapes (not the data)."""
     path = Path(path)
@@ -65,14 +54,12 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HybridError(f"cannot tell what kind of checkpoint {path} is: it has no config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HybridError(f"{config_file} is not valid JSON ({e})") from None
+    config = read_json_object(config_file)
     if config.get("quantization"):
         raise HybridError(f"{path} is already an MLX-quantized model directory; convert from the float checkpoint")
     if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
+        q = config["quantization_config"]
+        method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
         raise HybridError(f"{path} is quantized ({method}); only float checkpoints convert")
     model_type = config.get("model_type")
     mamba_config = path / hybrid.MAMBA_IN_LLAMA_CONFIG
@@ -93,10 +80,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             if name in shapes:
                 raise HybridError(f"tensor '{name}' appears twice in {path}")
             shapes[name] = shape
+    check_model_config(config, config_file, shapes)
     if kind == "mamba_in_llama":
         try:
-            config = hybrid.config_from_mamba_in_llama(config, json.loads(mamba_config.read_text()), shapes)
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+            config = hybrid.config_from_mamba_in_llama(config, read_json_object(mamba_config), shapes)
+        except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
             raise HybridError(f"{path}: {e}") from None
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in shapes)
     return Checkpoint(path, kind, config, files, shapes)
@@ -232,7 +220,7 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     arch = hybrid if config.get("model_type") == "llama_hybrid" else llama
     try:
         a = arch.ModelArgs.from_dict(config)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
         raise HybridError(f"config.json: {e}") from None
     h, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
     q, kv = a.num_attention_heads * hd, a.num_key_value_heads * hd
