@@ -87,7 +87,9 @@ class ChatSession:
 
         One reply at a time: a reply still open when the next `send` or `reset` comes (its
         consumer stopped reading or raised) is closed first, so the history always alternates
-        user, assistant. The history changes only when a reply ends, in one step."""
+        user, assistant. The history changes only when a reply ends, in one step. Turns may
+        come from different threads; read and close each reply on one thread (MLX binds the
+        reply's stream to the thread that started it)."""
         self._close_reply()
         self._reply = self._turn(text, max_tokens, sampling)
         return self._reply

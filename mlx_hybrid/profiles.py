@@ -152,15 +152,18 @@ def check_profile(profile: dict, path: Path, model_dir: Path, model=None):
         elif not (isinstance(width, int) and isinstance(length, int) and width >= 1 and length >= 2):
             raise HybridError(f"{path}: beam must be width >= 1 x length >= 2, got {width} x {length}")
     if medusa.get("medusa_choices") is not None:
+        choices = medusa["medusa_choices"]
+        if not isinstance(choices, list):
+            raise HybridError(f"{path}: medusa_choices must be a list of paths")
+        if model is not None:  # before building it: a tree's ancestor mask is nodes x nodes
+            check_tree_size(len(choices) + 1, model, f"{path}")
         try:
-            tree = MedusaTree(medusa["medusa_choices"])
+            tree = MedusaTree(choices)
         except (ValueError, TypeError, IndexError, OverflowError) as e:
             raise HybridError(f"{path}: bad medusa_choices ({e})") from None
         heads = read_json_object(model_dir / "medusa" / "config.json").get("medusa_num_heads")
         if not isinstance(heads, int) or tree.num_heads > heads:
             raise HybridError(f"{path}: medusa_choices go {tree.num_heads} heads deep, the heads have {heads}")
-        if model is not None:
-            check_tree_size(len(tree), model, f"{path}")
 
 
 def chip_preset(device: str) -> tuple[str, int] | None:

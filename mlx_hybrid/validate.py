@@ -93,7 +93,7 @@ def check_model_config(config: dict, file: Path, weight_names=None):
 def check_count(count: int, names, prefix: str, what: str):
     """The weights hold exactly count blocks prefix + "0." .. prefix + f"{count - 1}."."""
     found = sorted({int(m.group(1)) for n in names if (m := re.match(re.escape(prefix) + r"(\d+)\.", n))})
-    if found != list(range(count)):
+    if len(found) != count or found != list(range(count)):
         raise HybridError(f"{what} is {count} but the weights hold {len(found)} ({prefix}N)")
 
 

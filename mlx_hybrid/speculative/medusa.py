@@ -18,6 +18,7 @@ import numpy as np
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import SamplingParams
+from mlx_hybrid.limits import check_tree_size
 from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
@@ -118,6 +119,9 @@ def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -
     check_blocks(path, config["medusa_num_layers"] + 1, "medusa_head.0.", "medusa_num_layers + 1 (ResBlocks and the LM head)")
     heads = MedusaHeads(MedusaConfig.from_dict(config))
     if heads.config.medusa_choices:
+        if not isinstance(heads.config.medusa_choices, list):
+            raise HybridError(f"{path / 'config.json'}: medusa_choices must be a list of paths")
+        check_tree_size(len(heads.config.medusa_choices) + 1, target, f"{path / 'config.json'} medusa_choices")
         try:
             tree = MedusaTree(heads.config.medusa_choices)
         except (ValueError, TypeError) as e:
