@@ -164,6 +164,9 @@ def chat(
     while True:
         try:
             text = _utf8(input(">>> "), "the input").strip()
+        except (UnicodeDecodeError, HybridError):  # bytes that are not UTF-8, strict or kept as surrogates
+            err.print("error: the input is not UTF-8 text; it was skipped", markup=False)
+            continue
         except EOFError:
             out.print()
             return
@@ -172,9 +175,6 @@ def chat(
             if quits():
                 return
             out.print("[dim](Ctrl-C again to quit; /exit or Ctrl-D also quit)[/]")
-            continue
-        except (UnicodeDecodeError, HybridError) as e:
-            err.print(f"error: {e if isinstance(e, HybridError) else 'the input is not UTF-8 text'}; skipped", markup=False)
             continue
         if text in ("/exit", "/quit"):
             return

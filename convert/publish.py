@@ -14,6 +14,7 @@ the next conversion to the same destination removes those whose process is gone.
 
 import ctypes
 import errno
+import glob
 import os
 import secrets
 import shutil
@@ -60,7 +61,7 @@ def _alive(pid: int) -> bool:
 
 def clean_stale(dst: Path):
     """Remove the staging and set-aside directories that killed conversions to dst left."""
-    for p in dst.parent.glob(f".{dst.name}.*-*-*"):
+    for p in dst.parent.glob(f".{glob.escape(dst.name)}.*-*-*"):
         kind, _, rest = p.name.removeprefix(f".{dst.name}.").partition("-")
         pid = rest.partition("-")[0]
         if kind in ("staging", "old") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):

@@ -377,9 +377,11 @@ def _scripted_input(monkeypatch, actions):
 
 
 def test_ctrl_c_at_the_chat_prompt_keeps_the_conversation(monkeypatch, capsys, model_dir):
-    _scripted_input(monkeypatch, ["hello", KeyboardInterrupt(), "the fox", "/exit"])
-    code, out, _ = run(monkeypatch, capsys, "chat", "--model", model_dir, "--max-tokens", 4)
+    # A Ctrl-C and a line of bytes that are not UTF-8 (kept by Python as surrogates) at the prompt.
+    _scripted_input(monkeypatch, ["hello", KeyboardInterrupt(), "\udcff\udcfe hi", "the fox", "/exit"])
+    code, out, err = run(monkeypatch, capsys, "chat", "--model", model_dir, "--max-tokens", 4)
     assert code == 0 and out.count("reply 4 tok") == 2 and "Ctrl-C again to quit" in out, out
+    assert err.strip() == "error: the input is not UTF-8 text; it was skipped"
     first, second = [int(line.split("context ")[1].split("/")[0]) for line in out.splitlines() if "context " in line]
     assert second > first  # the second turn still holds the first
 

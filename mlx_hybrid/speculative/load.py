@@ -24,8 +24,10 @@ def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
         raise HybridError(f"{file} lacks the field '{missing[0]}'")
     for key in required:
         value = config[key]
-        if isinstance(value, bool) != (key == "rnn") or (key != "rnn" and not (isinstance(value, int) and value > 0)):
-            raise HybridError(f"{file}: '{key}' must be {'true or false' if key == 'rnn' else 'a positive integer'}, got {value!r}")
+        if key == "rnn" and not isinstance(value, bool):
+            raise HybridError(f"{file}: 'rnn' must be true or false, got {value!r}")
+        if key != "rnn" and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise HybridError(f"{file}: '{key}' must be a positive integer, got {value!r}")
     if config.get("quantization"):
         check_quantization(config["quantization"], file)
     return config
