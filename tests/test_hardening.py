@@ -456,6 +456,30 @@ def test_force_swaps_atomically_and_cleans_stale_staging(model_dir, tmp_path, mo
     assert "quantization" not in json.loads((dst / "config.json").read_text()) and not _leftovers(dst)
 
 
+# ---- chat templates: the limits change nothing a template may legitimately do ----------------
+
+RICH_TEMPLATE = """{{ bos_token }}{%- set ns = namespace(system=none, turns=0) -%}
+{%- if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] | trim %}{% endif -%}
+{%- if ns.system %}<|im_start|>system\n{{ ns.system }} {{ {'tools': [], 'n': messages | length} | tojson }}<|im_end|>\n{% endif -%}
+{%- for m in messages if m['role'] != 'system' -%}
+{%- if loop.index0 > 40 %}{% break %}{% endif -%}
+{%- set ns.turns = ns.turns + 1 -%}
+<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'][:200] }}{% endgeneration %}{% else %}{{ m['content'] | replace('  ', ' ') }}{% endif %}<|im_end|>{{ '\n' if not loop.last else '' }}
+{%- endfor -%}
+{{ '\n' ~ ns.turns ~ ' turns' }}{% for i in range(2) %}{% continue %}{% endfor -%}
+{%- if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}"""
+
+
+def test_limited_templates_render_as_transformers_does(model_dir, tmp_path):
+    folder = variant(model_dir, tmp_path / "rich", _template(RICH_TEMPLATE))
+    model, tok = load(folder)
+    messages = [{"role": "system", "content": " Be brief. "}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn  {i} of a long chat"} for i in range(9)]
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert template.render(tok, messages, model.args.max_position_embeddings) == want
+    assert "9 turns" in want and '"n": 10' in want
+
+
 # ---- one line, non-zero exit: the table --------------------------------------------------------
 
 
