@@ -1,6 +1,10 @@
 """The `hybrid` command: chat and generate with Llama-family and hybrid models on MLX."""
 
+import signal
 import sys
+import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -37,11 +41,20 @@ def _load(model_dir: Optional[Path]):
 
 
 def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
-    from mlx_hybrid.generate import SamplingParams
+    from mlx_hybrid.sampling import SamplingParams
 
     params = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
     params.check()
     return params
+
+
+def _utf8(text: str, what: str) -> str:
+    """text, unless it came from bytes that are not UTF-8 (Python keeps those as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HybridError(f"{what} is not UTF-8 text") from None
+    return text
 
 
 def _stats(r) -> str:
@@ -55,22 +68,22 @@ def _stats(r) -> str:
     )
 
 
-def _proposer(method, target, model_dir, heads, draft_model, num_draft):
+def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draft):
     """The proposer --speculative asks for, its files given or beside the model, with this device's
     settings (`mlx_hybrid.profiles`). Without --speculative: the method a `hybrid tune` profile
     found fastest here, or None (plain decoding)."""
     from mlx_hybrid.profiles import profile_choice, settings_for
 
     if method is None:
-        method = profile_choice(model_dir)
+        method = profile_choice(model_dir, target)
         if method is None:
             return None
     from mlx_hybrid.speculative import load_proposer
 
-    settings = settings_for(method, model_dir) if method in ("medusa", "redrafter") else None
+    settings = settings_for(method, model_dir, target) if method in ("medusa", "redrafter") else None
     with err.status(f"Loading the {method} speculator ..."):
         path = draft_model if method == "draft" else heads
-        proposer = load_proposer(method, target, model_dir, path, num_draft=num_draft, settings=settings)
+        proposer = load_proposer(method, target, model_dir, path, num_draft=num_draft, settings=settings, tokenizer=tokenizer)
     if settings is not None:
         err.print(f"[dim]speculation: {settings.describe(method)}[/]")
     return proposer
@@ -126,21 +139,40 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
     if max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {max_tokens}")
+    system = None if system is None else _utf8(system, "--system")
     budget = None if memory_budget is None else parse_budget(memory_budget)
     loaded, tokenizer, model = _load(model)
-    proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
+    proposer = _proposer(speculative, loaded, tokenizer, model, heads, draft_model, num_draft)
     session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, speculator=proposer)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    out.print("[dim]Type a message. /reset clears the history, /exit quits, Ctrl-C stops a reply.[/]")
+    out.print("[dim]Type a message. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops a reply.[/]")
+    last_interrupt = float("-inf")
+
+    def quits() -> bool:
+        """A Ctrl-C came: the second within a second quits; any other keeps the conversation."""
+        nonlocal last_interrupt
+        now = time.monotonic()
+        second, last_interrupt = now - last_interrupt < 1.0, now
+        return second
+
     while True:
         try:
-            text = input(">>> ").strip()
-        except (EOFError, KeyboardInterrupt):
+            text = _utf8(input(">>> "), "the input").strip()
+        except (UnicodeDecodeError, HybridError):  # bytes that are not UTF-8, strict or kept as surrogates
+            err.print("error: the input is not UTF-8 text; it was skipped", markup=False)
+            continue
+        except EOFError:
             out.print()
             return
+        except KeyboardInterrupt:
+            out.print()
+            if quits():
+                return
+            out.print("[dim](Ctrl-C again to quit; /exit or Ctrl-D also quit)[/]")
+            continue
         if text in ("/exit", "/quit"):
             return
         if text == "/reset":
@@ -149,16 +181,22 @@ def chat(
             continue
         if not text:
             continue
-        replies = session.send(text, max_tokens=max_tokens, sampling=sampling)
         r = None
         try:
-            for r in replies:
-                out.print(r.text, end="", markup=False)
+            replies = session.send(text, max_tokens=max_tokens, sampling=sampling)
+            try:
+                for r in replies:
+                    out.print(r.text, end="", markup=False)
+            finally:
+                replies.close()
         except KeyboardInterrupt:
-            replies.close()
             out.print("[dim] \\[stopped][/]", end="")
+            if quits():
+                out.print()
+                return
         except HybridError as e:
-            out.print(f"[red]error:[/] {e} (/reset clears the history)", markup=True)
+            out.print()
+            err.print(f"error: {e} (/reset clears the history)", markup=False)
             continue
         out.print()
         if r is not None:
@@ -202,14 +240,19 @@ def generate(
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
             raise HybridError("no prompt: pass --prompt TEXT or pipe text on stdin")
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError:
+            raise HybridError("the prompt on stdin is not UTF-8 text") from None
+    prompt = _utf8(prompt, "the prompt")
+    system = None if system is None else _utf8(system, "--system")
     if not prompt.strip():
         raise HybridError("the prompt is empty")
     loaded, tokenizer, model = _load(model)
     if not raw:
         session = ChatSession(loaded, tokenizer, system=system)
         prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
-    proposer = _proposer(speculative, loaded, model, heads, draft_model, num_draft)
+    proposer = _proposer(speculative, loaded, tokenizer, model, heads, draft_model, num_draft)
     r = None
     for r in stream_generate(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
                              speculator=proposer, memory_budget=budget):
@@ -251,13 +294,13 @@ def convert(
     from mlx_hybrid.convert.hf import convert as convert_checkpoint
 
     gguf = src.suffix == ".gguf"
-    if gguf and (quantize or embed_bits or recipe != "uniform" or verify or medusa or redrafter or force):
-        raise HybridError("a GGUF file keeps its own quantization: of the options, it takes only --dtype")
+    if gguf and (quantize or embed_bits or recipe != "uniform" or verify or medusa or redrafter):
+        raise HybridError("a GGUF file keeps its own quantization: of the options, it takes only --dtype and --force")
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("Converting tensors", total=None)
         progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
         if gguf:
-            convert_gguf(src, dst, dtype, progress=progress)
+            convert_gguf(src, dst, dtype, progress=progress, force=force)
         else:
             convert_checkpoint(src, dst, dtype, quantize, bits, group_size, recipe, force, progress=progress,
                                medusa=medusa, redrafter=redrafter, embed_bits=embed_bits)
@@ -285,6 +328,7 @@ def tune(
     """Measure verification cost and draft acceptance here, save the fastest speculation settings."""
     from rich.progress import Progress
 
+    from mlx_hybrid.limits import check_beam, clip_max_tokens, context_of
     from mlx_hybrid.profiles import profile_path, save_profile
     from mlx_hybrid.tune import WIDTHS, calibration_prompts, plot
     from mlx_hybrid.tune import tune as run_tune
@@ -298,6 +342,9 @@ def tune(
         raise HybridError(f"nothing to tune: no {'medusa/ or redrafter/' if method == 'all' else method + '/'} directory in {model}")
     if new_tokens < max_length or max_width < 1 or max_length < 2:
         raise HybridError("need --max-width >= 1, --max-length >= 2 and --new-tokens >= --max-length")
+    check_beam(max_width, max_length, loaded, "--max-width x --max-length")
+    if clip_max_tokens(new_tokens, loaded) < new_tokens:
+        raise HybridError(f"--new-tokens {new_tokens} exceeds the model's context ({context_of(loaded)} tokens)")
     widths = [w for w in WIDTHS if w <= max_width] or [1]
     with Progress(console=err, transient=True) as bar:
         tasks = {}
@@ -352,21 +399,35 @@ def doctor():
     out.print(f"all {len(results)} checks passed", markup=False)
 
 
+def _warning(message, category, filename, lineno, file=None, line=None):
+    err.print(f"warning: {message}", markup=False)
+
+
 def main():
     """Entry point: runs the app and turns every user error into one line on stderr."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # `run` made it exit quietly while importing
     command = typer.main.get_command(app)
     try:
-        code = command.main(prog_name="hybrid", standalone_mode=False)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning  # one line each (a bad tuning profile is named and ignored)
+            code = command.main(prog_name="hybrid", standalone_mode=False)
     except HybridError as e:
         err.print(f"error: {e}", markup=False)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except MemoryError:
+        err.print("error: out of memory", markup=False)
+        sys.exit(1)
     except Exception as e:
         # Usage errors from typer's click (vendored or not): they carry format_message/exit_code.
         if type(e).__name__ == "NoArgsIsHelpError":
             out.print(e.ctx.get_help(), markup=False)
             sys.exit(0)
+        if isinstance(e, OSError):  # a file, the disk or the terminal failed under us
+            err.print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", markup=False)
+            sys.exit(1)
         if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
             raise
         err.print(f"error: {e.format_message()}", markup=False)

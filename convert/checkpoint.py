@@ -11,8 +11,6 @@ with an index or not. Tensors are read one at a time (MLX loads safetensors lazi
 import ctypes
 import json
 import mmap
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +20,7 @@ import mlx.core as mx
 from mlx_hybrid.convert import dsla_serve
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.models import hybrid, llama
+from mlx_hybrid.validate import check_model_config, read_json_object
 
 KINDS = ("llama", "mistral", "mamba_in_llama", "llama_hybrid", "dsla_serve")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # one of them is required
@@ -56,16 +55,6 @@ class Checkpoint:
         return next((src + name[len(dst) :] for src, dst in self.renames if name.startswith(dst)), name)
 
 
-def staging_dir(dst: Path) -> Path:
-    """An empty directory beside dst to write a conversion into and then rename to dst, with the
-    permissions a plain mkdir gives (mkdtemp's 0700 would make every converted model private)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
-
-
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Detect the kind of checkpoint in `path` and read its config and tensor shapes (not the data)."""
     path = Path(path)
@@ -74,14 +63,12 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HybridError(f"cannot tell what kind of checkpoint {path} is: it has no config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HybridError(f"{config_file} is not valid JSON ({e})") from None
+    config = read_json_object(config_file)
     if config.get("quantization"):
         raise HybridError(f"{path} is already an MLX-quantized model directory; convert from the float checkpoint")
     if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
+        q = config["quantization_config"]
+        method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
         raise HybridError(f"{path} is quantized ({method}); only float checkpoints convert")
     model_type = config.get("model_type")
     mamba_config = path / hybrid.MAMBA_IN_LLAMA_CONFIG
@@ -104,13 +91,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             if name in shapes:
                 raise HybridError(f"tensor '{name}' appears twice in {path}")
             shapes[name] = shape
+    check_model_config(config, config_file, shapes)
     renames = []
     try:
         if kind == "mamba_in_llama":
-            config = hybrid.config_from_mamba_in_llama(config, json.loads(mamba_config.read_text()), shapes)
+            config = hybrid.config_from_mamba_in_llama(config, read_json_object(mamba_config), shapes)
         elif kind == "dsla_serve":
             config, renames = dsla_serve.hybrid_config(config), dsla_serve.renames(config)
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
         raise HybridError(f"{path}: {e}") from None
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in shapes)
     return Checkpoint(path, kind, config, files, shapes, renames)
@@ -246,7 +234,7 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     arch = hybrid if config.get("model_type") == "llama_hybrid" else llama
     try:
         a = arch.ModelArgs.from_dict(config)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
         raise HybridError(f"config.json: {e}") from None
     h, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
     q, kv = a.num_attention_heads * hd, a.num_key_value_heads * hd

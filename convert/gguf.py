@@ -9,7 +9,6 @@ result is an ordinary mlx-lm-layout directory that mlx-lm loads too.
 """
 
 import json
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
@@ -17,10 +16,13 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
-from mlx_hybrid.convert.checkpoint import staging_dir
+from mlx_hybrid.convert.checkpoint import expected_shapes
+from mlx_hybrid.convert.publish import save_safetensors, staged
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.validate import check_model_config, first_nonfinite
 
 GROUP = 32  # block size of Q4_0, Q4_1 and Q8_0
+PRE_TOKENIZERS = ("default", "gpt2", "smollm")  # those `write_tokenizer` rebuilds exactly
 SHARD_BYTES = 2 << 30
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -98,7 +100,26 @@ def permute_rows(a: np.ndarray, heads: int) -> np.ndarray:
 
 def _field(reader, key, default=None):
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except Exception as e:  # the gguf package's own errors on a malformed value
+        raise HybridError(f"GGUF metadata '{key}' is malformed ({type(e).__name__})") from None
+
+
+def _required(reader, key, kind):
+    value = _field(reader, key)
+    if value is None:
+        raise HybridError(f"the GGUF file lacks the metadata '{key}'")
+    if not isinstance(value, kind):
+        raise HybridError(f"GGUF metadata '{key}' is {type(value).__name__}, expected {kind.__name__}")
+    return value
+
+
+def _float(value):
+    """A number as float; anything else as is, for `check_model_config` to name."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def read_config(reader) -> dict:
@@ -112,7 +133,14 @@ def read_config(reader) -> dict:
 
     if get("rope.scaling.type") not in (None, "none"):
         raise HybridError(f"unsupported GGUF rope scaling '{get('rope.scaling.type')}'")
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+        _required(reader, f"llama.{key}", int)
+    tokens = _required(reader, "tokenizer.ggml.tokens", list)
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise HybridError("GGUF metadata 'tokenizer.ggml.tokens' must be a non-empty list of strings")
     heads, hidden = get("attention.head_count"), get("embedding_length")
+    if heads <= 0:
+        raise HybridError(f"GGUF metadata 'llama.attention.head_count' must be positive, got {heads}")
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -122,14 +150,47 @@ def read_config(reader) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
         "head_dim": get("attention.key_length", hidden // heads),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": get("context_length"),
-        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "vocab_size": len(tokens),
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+
+
+def check_tensors(reader, config: dict, dtype: str | None) -> dict[str, int | None]:
+    """Every tensor a Llama of this config needs, once, of its shape, in a type this conversion
+    takes, and nothing else; returns the bits each module will be stored with (None: float)."""
+    from gguf import GGMLQuantizationType as T
+
+    expected = expected_shapes(config)
+    seen, bits = set(), {}
+    for tensor in reader.tensors:
+        module = hf_module(tensor.name)
+        name = f"{module}.weight"
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if name not in expected:
+            raise HybridError(f"unexpected tensor '{tensor.name}' in the GGUF file (not in a Llama of its metadata)")
+        if name in seen:
+            raise HybridError(f"tensor '{tensor.name}' appears twice in the GGUF file")
+        seen.add(name)
+        if shape != expected[name]:
+            raise HybridError(f"tensor '{tensor.name}' has shape {list(shape)} but the metadata implies {list(expected[name])}")
+        exact = {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}
+        if dtype is None and tensor.tensor_type in exact and len(shape) == 2:
+            bits[module] = exact[tensor.tensor_type]
+        elif dtype is None and tensor.tensor_type not in (T.F32, T.F16, T.BF16):
+            raise HybridError(
+                f"tensor '{tensor.name}' is {tensor.tensor_type.name}, which has no exact MLX form: pass a float dtype to dequantize"
+            )
+        else:
+            bits[module] = None
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        raise HybridError(f"the GGUF file lacks tensor '{missing[0]}' (Hugging Face name)")
+    return bits
 
 
 def convert_tensors(reader, config: dict, dtype: str | None) -> Iterator[tuple[str, dict, int | None]]:
@@ -154,16 +215,44 @@ def convert_tensors(reader, config: dict, dtype: str | None) -> Iterator[tuple[s
                 f"tensor '{tensor.name}' is {qtype.name}, which has no exact MLX form: pass a float dtype to dequantize"
             )
         else:
-            w = dequantize(data, qtype).reshape(shape)
+            try:
+                w = dequantize(data, qtype).reshape(shape)
+            except (NotImplementedError, ValueError) as e:
+                raise HybridError(f"cannot dequantize tensor '{tensor.name}' ({qtype.name}): {e}") from None
             bits, parts = None, {"weight": w.astype(np.float32)}
         leaf = module.rpartition(".")[2]
         arrays = {}
         for param, a in parts.items():
             a = mx.array(unpermute_rows(a, heads[leaf]) if leaf in heads else a)
+            if first_nonfinite([(tensor.name, a)]):
+                raise HybridError(f"tensor '{tensor.name}' holds NaN or Inf values")
             if mx.issubdtype(a.dtype, mx.floating):
                 a = a.astype(FLOAT_DTYPES[dtype or "float16"])
             arrays[param] = a
         yield module, arrays, bits
+
+
+def check_tokenizer(reader):
+    """The tokenizer metadata `write_tokenizer` needs, complete and consistent."""
+    kind, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise HybridError(f"unsupported GGUF tokenizer '{kind}' (supported: gpt2 byte-level BPE)")
+    if pre not in PRE_TOKENIZERS:
+        raise HybridError(f"unsupported GGUF pre-tokenizer '{pre}' (supported: {', '.join(PRE_TOKENIZERS)})")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = _required(reader, "tokenizer.ggml.merges", list)
+    if not all(isinstance(m, str) and " " in m for m in merges):
+        raise HybridError("GGUF metadata 'tokenizer.ggml.merges' must be strings 'left right'")
+    types = _required(reader, "tokenizer.ggml.token_type", list)
+    if len(types) != len(tokens):
+        raise HybridError(f"GGUF metadata lists {len(tokens)} tokens but {len(types)} token types")
+    for key in ("bos", "eos", "unknown", "padding"):
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
+            raise HybridError(f"GGUF metadata 'tokenizer.ggml.{key}_token_id' ({i}) is not a token id [0, {len(tokens)})")
+    template = _field(reader, "tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise HybridError("GGUF metadata 'tokenizer.chat_template' must be a string")
 
 
 def write_tokenizer(reader, out: Path):
@@ -171,9 +260,7 @@ def write_tokenizer(reader, out: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    kind, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
-        raise HybridError(f"unsupported GGUF tokenizer '{kind}' (supported: gpt2 byte-level BPE)")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
     # The pre-tokenizers of the vocabularies we can rebuild exactly ("smollm" splits digits first).
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     pre_split = {
@@ -181,8 +268,6 @@ def write_tokenizer(reader, out: Path):
         "gpt2": byte_level,
         "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
     }
-    if pre not in pre_split:
-        raise HybridError(f"unsupported GGUF pre-tokenizer '{pre}' (supported: {', '.join(pre_split)})")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
@@ -221,12 +306,12 @@ def _save_shards(tensors: dict[str, mx.array], out: Path):
         current[name], size = a, size + a.nbytes
     shards.append(current)
     if len(shards) == 1:
-        mx.save_safetensors(str(out / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+        save_safetensors(out / "model.safetensors", shards[0], metadata={"format": "mlx"})
         return
     index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": {}}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(out / file), shard, metadata={"format": "mlx"})
+        save_safetensors(out / file, shard, metadata={"format": "mlx"})
         index["weight_map"].update({name: file for name in shard})
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
@@ -253,9 +338,13 @@ def quantization_config(bits: dict[str, int | None]) -> dict | None:
 
 
 def convert_gguf(
-    src: str | Path, dst: str | Path, dtype: str | None = None, progress: Callable[[int, int], None] | None = None
+    src: str | Path, dst: str | Path, dtype: str | None = None, progress: Callable[[int, int], None] | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write an MLX model directory for the GGUF file src at dst (atomically: a temp dir, then a rename)."""
+    """Write an MLX model directory for the GGUF file src at dst. As for Hugging Face sources,
+    everything is checked before anything is written (metadata, every tensor's presence, shape
+    and type, the tokenizer), and dst appears, or replaces an existing one with force, in one step
+    (`publish.staged`)."""
     from gguf import GGUFReader
 
     src, dst = Path(src), Path(dst)
@@ -263,8 +352,11 @@ def convert_gguf(
         raise HybridError(f"unknown dtype '{dtype}' (choose from {', '.join(FLOAT_DTYPES)})")
     if not src.is_file():
         raise HybridError(f"GGUF file not found: {src}")
-    if dst.exists():
-        raise HybridError(f"{dst} already exists")
+    if dst.exists() or dst.is_symlink():
+        if not force:
+            raise HybridError(f"{dst} already exists (pass --force to replace it)")
+        if dst.resolve() in src.resolve().parents:
+            raise HybridError(f"{dst} holds the source {src}; choose another destination")
     try:
         reader = GGUFReader(src)
     except Exception as e:  # the gguf package raises ValueError/struct.error etc. on bad files
@@ -272,22 +364,19 @@ def convert_gguf(
             f"cannot read {src}: not a valid GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
         ) from None
     config = read_config(reader)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(dst)
-    try:
-        tensors, bits = {}, {}
-        for i, (module, arrays, b) in enumerate(convert_tensors(reader, config, dtype)):
+    check_model_config(config, src)
+    check_tokenizer(reader)
+    bits = check_tensors(reader, config, dtype)
+    quant = quantization_config({m: b for m, b in bits.items() if m.endswith(("_proj", "embed_tokens", "lm_head"))})
+    with staged(dst) as tmp:
+        tensors = {}
+        for i, (module, arrays, _) in enumerate(convert_tensors(reader, config, dtype)):
             tensors.update({f"{module}.{p}": a for p, a in arrays.items()})
-            bits[module] = b
             if progress:
                 progress(i + 1, len(reader.tensors))
-        quant = quantization_config({m: b for m, b in bits.items() if m.endswith(("_proj", "embed_tokens", "lm_head"))})
         if quant:
             config["quantization"] = config["quantization_config"] = quant
         _save_shards(tensors, tmp)
         write_tokenizer(reader, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tmp.rename(dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dst

@@ -21,7 +21,6 @@ the model dtype.
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -34,14 +33,15 @@ from mlx_hybrid.convert.checkpoint import (
     check_shapes,
     file_tensors,
     open_checkpoint,
-    staging_dir,
     tensors,
 )
 from mlx_hybrid.convert.heads import check, medusa_plan, output_name, redrafter_plan
+from mlx_hybrid.convert.publish import save_safetensors, staged
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.loader import DTYPES
 from mlx_hybrid.models.llama import legacy_rope
 from mlx_hybrid.models.hybrid import FP32_PARAMS
+from mlx_hybrid.validate import first_nonfinite, refuse_remote_code
 
 BITS = (4, 8)
 EMBED_BITS = (4, 5, 6, 8)
@@ -79,7 +79,7 @@ class ShardWriter:
 
     def _flush(self):
         file = self.out / f"shard-{len(self.files)}.safetensors"  # renamed by finish()
-        mx.save_safetensors(str(file), self.shard, metadata={"format": "mlx"})
+        save_safetensors(file, self.shard, metadata={"format": "mlx"})
         self.files.append((file, list(self.shard)))
         self.shard, self.size = {}, 0
 
@@ -100,6 +100,8 @@ def convert_tensor(name: str, a: mx.array, dtype: str | None, quant: dict | None
     """One source tensor -> the tensors stored for it (weight, scales, biases when quantized)."""
     if not mx.issubdtype(a.dtype, mx.floating):
         raise HybridError(f"tensor '{name}' is {a.dtype}, not a float tensor")
+    if first_nonfinite([(name, a)]):
+        raise HybridError(f"tensor '{name}' holds NaN or Inf values")
     if name.rpartition(".")[2] in FP32_PARAMS:
         return {name: a.astype(mx.float32)}
     if dtype:
@@ -160,9 +162,10 @@ def convert(
     medusa / redrafter: directories of heads in the FasterDecoding/Medusa or apple/ml-recurrent-drafter
     layout, converted alongside into dst/medusa/ and dst/redrafter/ (`docs/formats/speculative-heads.md`).
     embed_bits: bits for the embeddings and LM head (default: bits).
-    dtype None keeps each tensor's stored float dtype. Everything is written into a temporary
-    directory beside dst and renamed at the end, so a failed or interrupted run leaves no dst;
-    an existing dst is replaced only with force.
+    dtype None keeps each tensor's stored float dtype. Everything is checked first, then written
+    into a staging directory beside dst and put in place at the end (`publish.staged`), so a
+    failed or interrupted run leaves dst as it was; an existing dst is replaced only with force,
+    in one atomic swap.
     """
     _check_options(dtype, quantize, bits, group_size, recipe, embed_bits)
     src, dst = Path(src), Path(dst)
@@ -171,6 +174,7 @@ def convert(
             raise HybridError(f"{dst} already exists (pass --force to replace it)")
         if src.resolve() == dst.resolve() or dst.resolve() in src.resolve().parents:
             raise HybridError(f"{dst} holds the source {src}; choose another destination")
+    refuse_remote_code(src)
     checkpoint = open_checkpoint(src)
     if not any((src / f).is_file() for f in TOKENIZER_FILES):
         raise HybridError(f"no tokenizer in {src} (expected {' or '.join(TOKENIZER_FILES)})")
@@ -188,9 +192,7 @@ def convert(
             file, head_config, shapes = plan(path, checkpoint.config)
             check(kind, file, shapes)
             heads.append((kind, file, dict(head_config, **({"quantization": quant} if quant else {}))))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(dst)
-    try:
+    with staged(dst) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
         done = 0
         for name, a in tensors(checkpoint):
@@ -217,18 +219,4 @@ def convert(
                 shutil.copyfile(src / file, tmp / file)
         config = output_config(checkpoint, dtype, base_quant)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dst
-
-
-def _replace(tmp: Path, dst: Path):
-    """Move the finished tmp to dst; an existing dst (--force) is moved aside first and deleted after."""
-    if not (dst.exists() or dst.is_symlink()):
-        tmp.rename(dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
-    dst.rename(old / dst.name)
-    tmp.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)

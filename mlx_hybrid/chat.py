@@ -13,24 +13,32 @@ re-read once with the new conversion, since a layer's DSLA state cannot come fro
 from itertools import chain
 from typing import Iterator
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_hybrid import template
 from mlx_hybrid.adaptive import ConversionPolicy, Plan, cache_nbytes, is_adaptive
 from mlx_hybrid.cache import trim_cache
 from mlx_hybrid.decode import common_prefix
+from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import GenerationResponse, context_limit, stream_generate
+from mlx_hybrid.limits import clip_max_tokens
 from mlx_hybrid.sampling import SamplingParams
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+def render_chat(tokenizer, messages: list[dict], context: int | None = None) -> list[int]:
     """The prompt tokens of a conversation, ending where the assistant speaks: the tokenizer's chat
-    template, or "role: content" lines for a tokenizer without one."""
+    template, rendered with time and size limits (`mlx_hybrid.template`; context: the model's, in
+    tokens), mlx-lm's own renderer for the families it has one for, or "role: content" lines for a
+    tokenizer without a template."""
     if tokenizer.chat_template is None:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return tokenizer.encode(text)
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if isinstance(out, dict) else out)
+    if getattr(tokenizer, "_chat_template", None) is not None:  # mlx-lm's Python renderer: library code
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+    return tokenizer.encode(template.render(tokenizer, messages, context), add_special_tokens=False)
 
 
 class ChatSession:
@@ -44,10 +52,12 @@ class ChatSession:
         adaptive = memory_budget is not None or is_adaptive(model)
         self.policy = ConversionPolicy(model, memory_budget) if adaptive else None
         self.plan: Plan | None = None  # the last turn's plan
+        self._reply = None  # the reply being streamed, until it is closed
         self.reset()
 
     def reset(self):
         """Forget the conversation (the system prompt stays)."""
+        self._close_reply()
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.dsla_layers: list[int] = []  # layers the cache runs as DSLA
         self.cache = self._new_cache()
@@ -70,17 +80,38 @@ class ChatSession:
         return self.model.make_cache(self.dsla_layers) if self.dsla_layers else self.model.make_cache()
 
     def render(self, messages: list[dict]) -> list[int]:
-        return render_chat(self.tokenizer, messages)
+        return render_chat(self.tokenizer, messages, self.context_limit)
 
     def send(
         self, text: str, max_tokens: int = 512, sampling: SamplingParams | None = None
     ) -> Iterator[GenerationResponse]:
-        """Stream the assistant's reply to text. Closing the iterator early keeps the partial reply."""
+        """Stream the assistant's reply to text. Closing the iterator early keeps the partial reply.
+
+        One reply at a time: a reply still open when the next `send` or `reset` comes (its
+        consumer stopped reading or raised) is closed first, so the history always alternates
+        user, assistant. The history changes only when a reply ends, in one step. Turns may
+        come from different threads; read and close each reply on one thread (MLX binds the
+        reply's stream to the thread that started it)."""
+        self._close_reply()
+        self._reply = self._turn(text, max_tokens, sampling)
+        return self._reply
+
+    def _close_reply(self):
+        reply, self._reply = self._reply, None
+        if reply is not None:
+            try:
+                reply.close()
+            except ValueError:  # "generator already executing": another thread is reading it
+                self._reply = reply
+                raise HybridError("this ChatSession is replying in another thread; it takes one reply at a time") from None
+
+    def _turn(self, text: str, max_tokens: int, sampling: SamplingParams | None) -> Iterator[GenerationResponse]:
+        if any(c.offset != len(self.tokens) for c in self.cache):  # an interrupt landed in the last turn's cleanup
+            self._sync(self.tokens)
         prompt = self.render(self.messages + [{"role": "user", "content": text}])
         keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         if self.policy:
-            limit = self.context_limit
-            self.plan = self.policy.plan(len(prompt), min(max_tokens, limit - len(prompt)) if limit else max_tokens)
+            self.plan = self.policy.plan(len(prompt), clip_max_tokens(max_tokens, self.model, len(prompt)))
             if len(self.plan.dsla_layers) > len(self.dsla_layers):  # convert more: re-read the history
                 self.dsla_layers = self.plan.dsla_layers
                 self.cache, self.tokens, keep = self._new_cache(), [], 0
@@ -96,7 +127,6 @@ class ChatSession:
         except BaseException:  # prompt rejected, or Ctrl-C during prefill: history unchanged
             self._sync(prompt)
             raise
-        self.messages.append({"role": "user", "content": text})
         reply, generated = "", []
         try:
             for r in chain([first], replies):
@@ -104,8 +134,9 @@ class ChatSession:
                 generated.append(r.token)
                 yield r
         finally:
+            # One assignment: an interrupt cannot land between the user's message and the reply.
+            self.messages = self.messages + [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
             replies.close()
-            self.messages.append({"role": "assistant", "content": reply})
             self._sync(prompt + generated)
 
     def _sync(self, fed: list[int]):
@@ -116,3 +147,4 @@ class ChatSession:
         if any(c.offset != n for c in self.cache):
             self.cache, n = self._new_cache(), 0
         self.tokens = fed[:n]
+        mx.eval([c.state for c in self.cache])  # nothing left lazy: the next turn may run on another thread

@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-generation_stream = mx.new_stream(mx.default_device())
+# One stream per thread (MLX binds a stream to the thread that made it): generation runs from any thread.
+generation_stream = mx.new_thread_local_stream(mx.default_device())
 
 
 def prefill(model: nn.Module, tokens: mx.array, cache: list, step_size: int = 512, progress=None):

@@ -17,6 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_hybrid.adaptive import Plan, request_cache
 from mlx_hybrid.decode import generate_step
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.limits import check_token_ids, clip_max_tokens
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.proposer import Proposer
 from mlx_hybrid.speculative.steps import speculative_steps
@@ -50,19 +51,17 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 def request_tokens(model: nn.Module, tokenizer: TokenizerWrapper, prompt, cache: list | None, max_tokens: int):
     """The prompt's tokens and max_tokens cut to the context left after what cache holds; one-line
-    errors for an empty prompt, max_tokens < 1 or a prompt beyond the model's context."""
-    if max_tokens < 1:
-        raise HybridError(f"max tokens must be >= 1, got {max_tokens}")
-    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    errors for an empty prompt, ids outside the vocabulary, max_tokens < 1 or a prompt beyond the
+    model's context."""
+    clip_max_tokens(max_tokens, model)
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(prompt, model.args.vocab_size)
     if not tokens:
         raise HybridError("the prompt is empty")
     used = cache[0].offset if cache else 0
     limit = context_limit(model)
     if limit is not None and used + len(tokens) >= limit:
         raise HybridError(f"the prompt needs {used + len(tokens)} tokens of context but the model's limit is {limit}")
-    if limit is not None:
-        max_tokens = min(max_tokens, limit - used - len(tokens))
-    return tokens, max_tokens
+    return tokens, clip_max_tokens(max_tokens, model, used + len(tokens))
 
 
 class TextStream:
@@ -121,7 +120,7 @@ def stream_generate(
     typical acceptance.
     """
     sampling = sampling or SamplingParams()
-    sampling.check()
+    sampling.check(model.args.vocab_size)
     if speculator is not None and sampling.repetition_penalty is not None:
         raise HybridError("speculative decoding does not support a repetition penalty")
     tokens, max_tokens = request_tokens(model, tokenizer, prompt, cache, max_tokens)

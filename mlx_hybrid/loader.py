@@ -5,16 +5,23 @@ tensor at fault, so the CLI can print one line instead of a traceback.
 """
 
 import glob
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.models import hybrid, llama
+from mlx_hybrid.validate import (
+    check_model_config,
+    check_tokenizer_fits,
+    first_nonfinite,
+    read_json_object,
+    refuse_remote_code,
+)
 
 # config.json "model_type" -> module holding ModelArgs and Model.
 ARCHITECTURES = {"llama": llama, "mistral": llama, "llama_hybrid": hybrid}
@@ -30,10 +37,7 @@ def read_config_json(path: Path, what: str = "directory") -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise HybridError(f"no config.json in {path}")
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HybridError(f"{file} is not valid JSON ({e})") from None
+    return read_json_object(file)
 
 
 def load_config(path: Path) -> dict:
@@ -92,15 +96,16 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     config = load_config(path)
     weights = load_weights(path)
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
+    check_model_config(config, path / "config.json", weights)
     try:
         if (path / hybrid.MAMBA_IN_LLAMA_CONFIG).is_file():
-            mamba_config = json.loads((path / hybrid.MAMBA_IN_LLAMA_CONFIG).read_text())
+            mamba_config = read_json_object(path / hybrid.MAMBA_IN_LLAMA_CONFIG)
             config = hybrid.config_from_mamba_in_llama(config, mamba_config, weights)
         arch = ARCHITECTURES[config["model_type"]]
         args = arch.ModelArgs.from_dict(config)
         model = arch.Model(args)
         weights = model.sanitize(weights)
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
         raise HybridError(f"{path}: {e}") from None
     if config.get("quantization"):
         _quantize(model, config["quantization"], weights)
@@ -125,7 +130,12 @@ def set_weights(module: nn.Module, path: Path, weights: dict, dtype: str | None,
         module.load_weights([(k, cast(k, v)) for k, v in weights.items()], strict=True)
     except ValueError as e:
         raise HybridError(f"{path}: weights do not match config.json: {str(e).splitlines()[0]}") from None
-    mx.eval(module.parameters())
+    # Every array the module holds, its private ones too (RoPE frequencies...): one left lazy here
+    # would be tied to this thread's stream, and a generation on another thread could not run it.
+    mx.eval(module.filter_and_map(lambda _, __, v: isinstance(v, (dict, list, mx.array))))
+    bad = first_nonfinite(tree_flatten(module.parameters()))
+    if bad:
+        raise HybridError(f"{path}: weight '{bad}' holds NaN or Inf values")
     module.eval()
     return module
 
@@ -136,22 +146,27 @@ def load_tokenizer(path: str | Path, eos_token_ids=None, base_model_type: str | 
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise HybridError(f"no tokenizer in {path} (expected {' or '.join(TOKENIZER_FILES)})")
+    refuse_remote_code(path)
     try:
-        extra = None
+        extra = {"trust_remote_code": False}
         if base_model_type:
             from transformers import AutoConfig
 
-            extra = {"config": AutoConfig.for_model(base_model_type)}
+            extra["config"] = AutoConfig.for_model(base_model_type)
         return load_tokenizer_wrapper(path, tokenizer_config_extra=extra, eos_token_ids=eos_token_ids)
     except Exception as e:
         raise HybridError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
 
 
 def load(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
-    """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files)."""
+    """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files).
+    The folder is data: one asking to run code (auto_map) is refused before anything is read."""
+    path = Path(path)
+    refuse_remote_code(path)
     model = load_model(path, dtype)
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = load_config(path)
     eos = config.get("eos_token_id")
     base = config.get("base_model_type", "llama") if config.get("model_type") == "llama_hybrid" else None
     tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos, base)
+    check_tokenizer_fits(tokenizer, model.args.vocab_size, path)
     return model, tokenizer

@@ -16,12 +16,14 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.validate import read_json_object
 
 # chip -> (GPU cores of its largest configuration, ReDrafter beam width)
 PRESETS = {
@@ -35,6 +37,7 @@ PRESETS = {
     "M2 Ultra": (76, 3),  # measured: BW 3 (7B), 2-3 (13B), 4 (33B)
 }
 PRESET_BEAM_LENGTH = 4
+TUNED = ("redrafter", "medusa")  # the methods `hybrid tune` measures
 
 
 @dataclass
@@ -104,15 +107,63 @@ def save_profile(profile: dict, path: Path):
     os.replace(tmp, path)
 
 
-def load_profile(model_dir: str | Path) -> tuple[dict, Path] | None:
-    """This device's profile for model_dir, if `hybrid tune` made one (and the model is unchanged)."""
+class ProfileWarning(UserWarning):
+    """A tuning profile that cannot be used: it is named and ignored (settings fall back to the
+    chip preset or the defaults) rather than failing or hanging every run of the model."""
+
+
+def load_profile(model_dir: str | Path, model=None) -> tuple[dict, Path] | None:
+    """This device's profile for model_dir, if `hybrid tune` made one (and the model is unchanged)
+    and it holds settings the model can run (`check_profile`, against `model` when given); a bad
+    one is ignored with a `ProfileWarning` naming it."""
     path = profile_path(model_dir)
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text()), path
-    except (OSError, json.JSONDecodeError) as e:
-        raise HybridError(f"unreadable tuning profile {path} ({e}); delete it or run `hybrid tune` again") from None
+        profile = read_json_object(path)
+        check_profile(profile, path, Path(model_dir), model)
+    except HybridError as e:
+        warnings.warn(f"ignoring the tuning profile: {e}; run `hybrid tune` again or delete it", ProfileWarning, stacklevel=2)
+        return None
+    return profile, path
+
+
+def check_profile(profile: dict, path: Path, model_dir: Path, model=None):
+    """What chat and generate read from a profile: the chosen method, one whose files are beside
+    the model, and each method's best settings, of the right types and within the model's bounds
+    (`mlx_hybrid.limits`): a beam of width 100000 would make every run of the model hang."""
+    from mlx_hybrid.limits import check_beam, check_tree_size
+    from mlx_hybrid.speculative.tree import MedusaTree
+
+    best = profile.get("best", {})
+    if not isinstance(best, dict) or not all(isinstance(v, dict) for v in best.values()):
+        raise HybridError(f"{path}: 'best' must map methods to their settings")
+    choice = profile.get("choice")
+    for method in set(best) | ({choice} - {None}):
+        if method not in TUNED:
+            raise HybridError(f"{path}: unknown method {method!r} (tuned methods: {', '.join(TUNED)})")
+        if not (model_dir / method).is_dir():
+            raise HybridError(f"{path}: it names {method}, but {model_dir} has no {method}/ directory")
+    redrafter, medusa = best.get("redrafter", {}), best.get("medusa", {})
+    if redrafter.get("beam_width") is not None or redrafter.get("beam_length") is not None:
+        width, length = redrafter.get("beam_width"), redrafter.get("beam_length")
+        if model is not None:
+            check_beam(width, length, model, f"{path}")
+        elif not (isinstance(width, int) and isinstance(length, int) and width >= 1 and length >= 2):
+            raise HybridError(f"{path}: beam must be width >= 1 x length >= 2, got {width} x {length}")
+    if medusa.get("medusa_choices") is not None:
+        choices = medusa["medusa_choices"]
+        if not isinstance(choices, list):
+            raise HybridError(f"{path}: medusa_choices must be a list of paths")
+        if model is not None:  # before building it: a tree's ancestor mask is nodes x nodes
+            check_tree_size(len(choices) + 1, model, f"{path}")
+        try:
+            tree = MedusaTree(choices)
+        except (ValueError, TypeError, IndexError, OverflowError) as e:
+            raise HybridError(f"{path}: bad medusa_choices ({e})") from None
+        heads = read_json_object(model_dir / "medusa" / "config.json").get("medusa_num_heads")
+        if not isinstance(heads, int) or tree.num_heads > heads:
+            raise HybridError(f"{path}: medusa_choices go {tree.num_heads} heads deep, the heads have {heads}")
 
 
 def chip_preset(device: str) -> tuple[str, int] | None:
@@ -124,10 +175,10 @@ def chip_preset(device: str) -> tuple[str, int] | None:
     return chip, PRESETS[chip][1]
 
 
-def settings_for(method: str, model_dir: str | Path | None) -> Settings:
-    """Settings for method on this device: the tuned profile's, else the chip preset's, else the
-    drafter's and heads' own defaults."""
-    found = load_profile(model_dir) if model_dir is not None else None
+def settings_for(method: str, model_dir: str | Path | None, model=None) -> Settings:
+    """Settings for method on this device: the tuned profile's (checked against model), else the
+    chip preset's, else the drafter's and heads' own defaults."""
+    found = load_profile(model_dir, model) if model_dir is not None else None
     if found and method in found[0].get("best", {}):
         best = found[0]["best"][method]
         return Settings(best.get("beam_width"), best.get("beam_length"), best.get("medusa_choices"), source=f"tuned profile {found[1]}")
@@ -141,7 +192,7 @@ def settings_for(method: str, model_dir: str | Path | None) -> Settings:
     return Settings(width, PRESET_BEAM_LENGTH, source=f"{chip} preset")
 
 
-def profile_choice(model_dir: str | Path | None) -> str | None:
+def profile_choice(model_dir: str | Path | None, model=None) -> str | None:
     """The method the tuned profile found fastest here (None: plain decoding or no profile)."""
-    found = load_profile(model_dir) if model_dir is not None else None
+    found = load_profile(model_dir, model) if model_dir is not None else None
     return found[0].get("choice") if found else None

@@ -6,7 +6,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from mlx_hybrid.errors import HybridError
+from mlx_hybrid.limits import check_sampling
 
 
 @dataclass
@@ -19,17 +19,9 @@ class SamplingParams:
     repetition_context_size: int = 20
     seed: int | None = None
 
-    def check(self):
-        if self.temp < 0:
-            raise HybridError(f"temperature must be >= 0, got {self.temp}")
-        if not 0 <= self.top_p <= 1:
-            raise HybridError(f"top-p must be in [0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise HybridError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise HybridError(f"min-p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise HybridError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
+    def check(self, vocab_size: int | None = None):
+        """One-line errors for values out of range (`limits.check_sampling`); vocab_size bounds top-k."""
+        check_sampling(self, vocab_size)
 
     def sampler(self) -> Callable[[mx.array], mx.array]:
         return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)

@@ -14,6 +14,7 @@ import numpy as np
 from mlx_hybrid.cache import commit
 from mlx_hybrid.decode import common_prefix, prefill
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.limits import check_draft_count
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, target_logprobs
 from mlx_hybrid.tree_mask import TreeMask
@@ -24,8 +25,7 @@ class DraftProposer:
     drafts_on_device = False
 
     def __init__(self, draft: nn.Module, target: nn.Module, k: int = 4):
-        if k < 1:
-            raise HybridError(f"the draft must propose k >= 1 tokens per step, got {k}")
+        check_draft_count(k, target)
         if draft.args.vocab_size < target.args.vocab_size:
             raise HybridError(
                 f"the draft model's vocabulary ({draft.args.vocab_size}) is smaller than the target's ({target.args.vocab_size})"

@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.loader import DTYPES, load_weights, read_config_json, set_weights
+from mlx_hybrid.validate import check_count, check_quantization
 
 
 def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
@@ -21,7 +22,21 @@ def read_config(path: Path, model_type: str, required: tuple[str, ...]) -> dict:
     missing = [k for k in required if k not in config]
     if missing:
         raise HybridError(f"{file} lacks the field '{missing[0]}'")
+    for key in required:
+        value = config[key]
+        if key == "rnn" and not isinstance(value, bool):
+            raise HybridError(f"{file}: 'rnn' must be true or false, got {value!r}")
+        if key != "rnn" and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise HybridError(f"{file}: '{key}' must be a positive integer, got {value!r}")
+    if config.get("quantization"):
+        check_quantization(config["quantization"], file)
     return config
+
+
+def check_blocks(path: Path, count: int, prefix: str, what: str):
+    """The weights in path hold count blocks under prefix (checked before the module is built:
+    a count of 10^9 in config.json would otherwise build 10^9 layers)."""
+    check_count(count, load_weights(path), prefix, f"{path / 'config.json'}: {what}")
 
 
 def load_into(module: nn.Module, path: Path, config: dict, target: nn.Module, dtype: str | None = None) -> nn.Module:

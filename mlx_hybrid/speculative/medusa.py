@@ -17,11 +17,12 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.limits import check_tree_size
 from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
-from mlx_hybrid.speculative.load import check_target, load_into, read_config
+from mlx_hybrid.speculative.load import check_blocks, check_target, load_into, read_config
 from mlx_hybrid.speculative.topk import beam_step
 from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths, expected_length, greedy_paths
 
@@ -114,8 +115,13 @@ def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -
     path = Path(path)
     config = read_config(path, "medusa", ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"))
     check_target(path, config, target)
+    check_blocks(path, config["medusa_num_heads"], "medusa_head.", "medusa_num_heads")
+    check_blocks(path, config["medusa_num_layers"] + 1, "medusa_head.0.", "medusa_num_layers + 1 (ResBlocks and the LM head)")
     heads = MedusaHeads(MedusaConfig.from_dict(config))
     if heads.config.medusa_choices:
+        if not isinstance(heads.config.medusa_choices, list):
+            raise HybridError(f"{path / 'config.json'}: medusa_choices must be a list of paths")
+        check_tree_size(len(heads.config.medusa_choices) + 1, target, f"{path / 'config.json'} medusa_choices")
         try:
             tree = MedusaTree(heads.config.medusa_choices)
         except (ValueError, TypeError) as e:

@@ -41,10 +41,12 @@ def load_proposer(
     num_draft: int = 4,
     settings=None,
     heads_dtype: str | None = None,
+    tokenizer=None,
 ) -> "Proposer":
     """The proposer for method, its files at path or else in model_dir's subdirectory for it;
     settings (`mlx_hybrid.profiles.Settings`): the beam or tree to use instead of the defaults;
-    heads_dtype: the float dtype Medusa heads or a drafter compute in (default: the target's)."""
+    heads_dtype: the float dtype Medusa heads or a drafter compute in (default: the target's);
+    tokenizer: the target's, which a draft model's own tokenizer must agree with."""
     if method not in METHODS:
         raise HybridError(f"unknown speculative method '{method}' (choose from {', '.join(METHODS)})")
     if path is None:
@@ -71,5 +73,8 @@ def load_proposer(
         return ReDrafterProposer(load_redrafter(path, target, heads_dtype), target, width, length)
     from mlx_hybrid.loader import load_model
     from mlx_hybrid.speculative.draft import DraftProposer
+    from mlx_hybrid.validate import check_same_vocabulary
 
+    if tokenizer is not None:
+        check_same_vocabulary(Path(path), tokenizer)
     return DraftProposer(load_model(path), target, num_draft)

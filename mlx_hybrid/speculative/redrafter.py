@@ -20,11 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_hybrid.errors import HybridError
+from mlx_hybrid.limits import check_beam
 from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft, target_logprobs
-from mlx_hybrid.speculative.load import check_target, load_into, read_config
+from mlx_hybrid.speculative.load import check_blocks, check_target, load_into, read_config
 from mlx_hybrid.speculative.medusa import ResBlock
 from mlx_hybrid.speculative.topk import beam_step
 from mlx_hybrid.speculative.tree import pack_beams
@@ -120,6 +120,7 @@ def load_redrafter(path: str | Path, target: nn.Module, dtype: str | None = None
     path = Path(path)
     config = read_config(path, "recurrent_drafting_drafter", ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn"))
     check_target(path, config, target)
+    check_blocks(path, config["num_draft_layers"] + 1, "lm_head.", "num_draft_layers + 1 (ResBlocks and the LM head)")
     drafter = Drafter(DrafterConfig.from_dict(config))
     return load_into(drafter, path, config, target, dtype)
 
@@ -140,8 +141,7 @@ class ReDrafterProposer:
         self.embed = target.model.embed_tokens
         self.width = beam_width or drafter.config.beam_width
         self.length = beam_length or drafter.config.beam_length
-        if self.width < 1 or self.length < 2:
-            raise HybridError(f"beam width must be >= 1 and length >= 2, got {self.width} x {self.length}")
+        check_beam(self.width, self.length, target)
         self.depth = self.length - 1
         # Search and packing have one shape per beam size, so they compile once: each pass then
         # replays the graph without Python and with its elementwise ops fused, which counts on a

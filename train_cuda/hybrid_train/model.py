@@ -496,7 +496,7 @@ def load_hybrid(path: Path, dtype=torch.float32):
     except (OSError, json.JSONDecodeError) as e:
         raise TrainError(f"cannot read {path / 'config.json'}: {e}") from None
     if config.get("model_type") != "llama_hybrid":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     base = {k: v for k, v in config.items() if k not in {f.name for f in fields(HybridArgs)}}
     kinds = base.pop("mixer_types")
     base_type = base.pop("base_model_type", "llama")

@@ -91,7 +91,7 @@ def trim_vocab(tokenizer, counts: Counter, size: int):
         if "added_tokens_decoder" in settings:
             settings["added_tokens_decoder"] = {str(new_id[int(k)]): v for k, v in settings["added_tokens_decoder"].items()}
             config.write_text(json.dumps(settings))
-        student = AutoTokenizer.from_pretrained(tmp)
+        student = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
     return student, keep
 
 

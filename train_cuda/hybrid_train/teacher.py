@@ -27,7 +27,7 @@ def _source(path: str | Path) -> tuple[Path, dict]:
 def load_tokenizer(path: str | Path):
     directory, extra = _source(path)
     try:
-        return AutoTokenizer.from_pretrained(directory, **extra)
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False, **extra)
     except Exception as e:  # transformers raises many types, with multi-line messages
         raise TrainError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0]}") from None
 
@@ -36,7 +36,7 @@ def load_teacher(path: str | Path, dtype=torch.float32, device="cpu"):
     """A frozen Llama/Mistral teacher in eval mode."""
     directory, extra = _source(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **extra)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, trust_remote_code=False, **extra)
     except Exception as e:
         raise TrainError(f"cannot load the teacher {path}: {str(e).splitlines()[0]}") from None
     if model.config.model_type not in SUPPORTED:
