@@ -425,6 +425,8 @@ def main():
         if type(e).__name__ == "NoArgsIsHelpError":
             out.print(e.ctx.get_help(), markup=False)
             sys.exit(0)
+        if type(e).__name__ == "Abort":  # click's word for a Ctrl-C inside its own code
+            sys.exit(130)
         if isinstance(e, OSError):  # a file, the disk or the terminal failed under us
             err.print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", markup=False)
             sys.exit(1)

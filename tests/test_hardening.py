@@ -21,7 +21,7 @@ import torch
 from tests.helpers.factories import make_hf_model_dir
 from gguf import GGUFWriter
 from tests.helpers.cli import assert_one_line_error, run
-from test_gguf import gguf_name, permute_rows
+from tests.test_gguf import gguf_name, permute_rows
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from mlx.utils import tree_flatten
