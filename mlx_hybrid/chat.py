@@ -21,13 +21,14 @@ from mlx_hybrid.cache import trim_cache
 from mlx_hybrid.generate import GenerationResponse, SamplingParams, common_prefix, context_limit, stream_generate
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt tokens of a conversation, ending where the assistant speaks: the tokenizer's chat
-    template, or "role: content" lines for a tokenizer without one."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt tokens of a conversation, ending where the assistant speaks (unless
+    add_generation_prompt is False): the tokenizer's chat template, or "role: content" lines for a
+    tokenizer without one."""
     if tokenizer.chat_template is None:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
         return tokenizer.encode(text)
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     return list(out["input_ids"] if isinstance(out, dict) else out)
 
 

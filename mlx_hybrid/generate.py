@@ -17,7 +17,9 @@ from mlx_hybrid.adaptive import is_adaptive, request_cache
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.models.linear import matmul_only
 
-generation_stream = mx.new_stream(mx.default_device())
+# Thread-local: MLX streams belong to the thread that made them, and a server decodes on a worker
+# thread of its own (mlx_hybrid.server.engine).
+generation_stream = mx.new_thread_local_stream(mx.default_device())
 
 
 @dataclass
