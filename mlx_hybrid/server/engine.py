@@ -3,11 +3,13 @@ requests. MLX streams, and the arrays built on them, belong to the thread that m
 model is loaded on this thread too; the HTTP layer only queues `Job`s and reads their events.
 
 A job is read alone: the prompt cache gives the longest prefix it holds (`PromptCache.fetch`),
-the rest of the prompt is prefilled, and the first token is sampled. Then the job joins the batch
-(`mlx_hybrid.batch`): each step runs the next token of every running job through the model in one
-pass, so new jobs join and finished ones leave between any two steps (continuous batching). The
-steps are pipelined as in `generate_step`: step n+1 is queued before the host reads the tokens
-of step n, so a row always has one sampled token that is neither read nor fed (`pending`).
+the rest of the prompt is prefilled and the first token is sampled and sent. Then the job joins
+the batch (`mlx_hybrid.batch`): each step runs the next token of every running job through the
+model in one pass, so new jobs join and finished ones leave between any two steps (continuous
+batching). One queued job is admitted between two steps, so running jobs wait for at most one
+prompt's prefill. The steps are pipelined as in `generate_step`: step n+1 is queued before the
+host reads the tokens of step n, so each row has one token that is sampled but not yet fed
+(`pending`).
 
 With a speculator (`mlx_hybrid.speculative`) a job that runs alone decodes speculatively: one
 sequence gains from verifying several drafted tokens a pass, while a batch is already wide. When
@@ -121,6 +123,8 @@ class Sequence:
         )
         self.greedy = s.temp == 0 and not self.processors
         self.cache: list | None = None
+        self.first: mx.array | None = None  # the newest token, read, as the batch feeds it next
+        self.fresh = False  # in the batch, its pending token was read already (`Engine._join`)
 
     def sample(self, logits: mx.array, fed: mx.array | None) -> mx.array:
         """The next token (1,) from logits (1, vocab); fed: the token just fed, not yet read."""
@@ -254,29 +258,27 @@ class Engine:
                 jobs.append(job)
 
     def _admit(self) -> bool:
-        """Start queued jobs while the batch has room (waiting for one when idle); a lone job
-        with a speculator speculates. False once `stop` was called."""
-        while len(self.seqs) < self.max_batch:
+        """Start one queued job if the batch has room, waiting for one when nothing runs: one
+        prompt is read between two decode steps, so running jobs never wait for more than one.
+        A lone job with a speculator speculates. False once `stop` was called."""
+        if len(self.seqs) < self.max_batch:
             idle = not self.seqs
             if idle:
                 mx.clear_cache()  # buffers freed by finished jobs go back to the system
             try:
                 job = self.jobs.get() if idle else self.jobs.get_nowait()
             except queue.Empty:
-                break
+                job = False
             if job is None:
                 return False
-            self.alone = job
-            started = self._start(job)
-            if started is None:
+            if job:
+                self.alone = job
+                seq = self._start(job)
+                if seq is not None and idle and self.jobs.empty() and self._can_speculate(seq):
+                    self._speculate(seq)
+                elif seq is not None:
+                    self._join(seq)
                 self.alone = None
-                continue
-            seq, first = started
-            if idle and self.jobs.empty() and self._can_speculate(seq):
-                self._speculate(seq, first.item())
-            else:
-                self._join(seq, first)
-            self.alone = None
         if len(self.seqs) == 1 and self.jobs.empty() and self._can_speculate(self.seqs[0]):
             self._leave_batch_and_speculate()
         return True
@@ -318,8 +320,9 @@ class Engine:
             return job.max_tokens if job.max_tokens is not None else 1 << 30
         return min(job.max_tokens or limit, limit - prompt_tokens)
 
-    def _start(self, job: Job) -> tuple[Sequence, mx.array] | None:
-        """Read a job's prompt into caches of its own and sample its first token (not read yet)."""
+    def _start(self, job: Job) -> Sequence | None:
+        """Read a job's prompt into caches of its own and emit its first token; the caches then
+        hold all of seq.tokens but that token. None if the job failed, ended or was cancelled."""
         if job.cancelled.is_set():
             return None
         try:
@@ -342,11 +345,15 @@ class Engine:
             self.prompt_cache.insert(tokens[:point], copy_cache(cache, point))
         prefill(model, mx.array(tokens[done:-1]), cache, self.prefill_step_size)
         logits = model(mx.array(tokens[-1:])[None], cache)[:, -1, :]
-        first = seq.sample(logits, None)
-        mx.async_eval(first)
-        seq.cache = cache
+        seq.first = seq.sample(logits, None)
         job.send(Started(len(tokens), cached))
-        return seq, first
+        seq.cache = cache
+        finish = seq.emit(seq.first.item())
+        self.generated_tokens += 1
+        if finish:
+            self._finish(seq, finish, cache)
+            return None
+        return seq
 
     def _snapshot_points(self, job: Job, tokens: list[int], cached: int) -> list[int]:
         """Where a hybrid model's prefill leaves copies in the prompt cache (module docstring):
@@ -360,12 +367,13 @@ class Engine:
             points.add(common_prefix(system, tokens))
         return sorted(p for p in points if cached < p < len(tokens))
 
-    def _join(self, seq: Sequence, first: mx.array):
-        """Make seq a row of the batch; first: its sampled, unread token."""
+    def _join(self, seq: Sequence):
+        """Make seq a row of the batch. Its newest token, read but not fed yet, becomes the row's
+        pending token (`seq.first`, marked `fresh`: the next step does not emit it again)."""
         self.batch.add(seq.cache)
-        seq.cache = None
+        seq.cache, seq.fresh = None, True
         self.seqs.append(seq)
-        self.pending = first if self.pending is None else mx.concatenate([self.pending, first])
+        self.pending = seq.first if self.pending is None else mx.concatenate([self.pending, seq.first])
         self.rows = len(self.seqs)
         self.peak_rows = max(self.peak_rows, self.rows)
 
@@ -383,7 +391,7 @@ class Engine:
             if seq.job.cancelled.is_set():
                 self._cancelled(seq)
                 continue
-            finish = seq.emit(token)
+            finish, seq.fresh = (None if seq.fresh else seq.emit(token)), False
             self.generated_tokens += 1
             if finish:
                 self._finish(seq, finish, self.batch.take(i, len(seq.tokens)))
@@ -397,11 +405,11 @@ class Engine:
         self.pending = nxt
 
     def _finish(self, seq: Sequence, reason: str, cache: list):
-        """Answer the job's end and keep its caches (holding all its tokens) for later prompts."""
-        seq.job.send(seq.finished(reason))
+        """Keep the job's caches (holding its tokens up to their offset) for later prompts, then
+        answer its end: a client's next turn finds them."""
+        self.prompt_cache.insert(seq.tokens[: cache[0].offset], cache)
         self.served += 1
-        fed = cache[0].offset
-        self.prompt_cache.insert(seq.tokens[:fed], cache)
+        seq.job.send(seq.finished(reason))
 
     def _cancelled(self, seq: Sequence):
         """The client went away: its caches are dropped (freed once nothing refers to them)."""
@@ -410,24 +418,23 @@ class Engine:
     def _leave_batch_and_speculate(self):
         """The batch is down to one job: read its pending token, take its caches out (they hold
         all its tokens but that one) and let it speculate."""
-        seq, token = self.seqs[0], self.pending.item()
-        cache = self.batch.take(0, len(seq.tokens))
+        seq = self.seqs[0]
+        finish = None if seq.fresh else seq.emit(self.pending.item())
+        cache = self.batch.take(0, len(seq.tokens) - 1)
         self.batch, self.seqs, self.pending, self.rows = Batch(), [], None, 0
+        if finish:
+            return self._finish(seq, finish, cache)
         seq.cache, self.alone = cache, seq.job
-        self._speculate(seq, token)
+        self._speculate(seq)
         self.alone = None
 
-    def _speculate(self, seq: Sequence, token: int):
-        """Decode seq alone with the speculator from its unread token on, until it finishes or
-        another job waits; then it rejoins the batch. Its caches hold seq.tokens now."""
+    def _speculate(self, seq: Sequence):
+        """Decode seq alone with the speculator until it finishes or another job waits; then it
+        rejoins the batch. Its caches hold all of seq.tokens but the newest."""
         if seq.job.cancelled.is_set():
             return self._cancelled(seq)
-        finish = seq.emit(token)
-        self.generated_tokens += 1
-        if finish:
-            return self._finish(seq, finish, seq.cache)
-        self.speculating = True
-        replies = speculate(self.loaded, token, seq.cache, seq.tokens[:-1], seq.max_tokens - seq.generated, seq.job.sampling)
+        self.speculating, finish = True, None
+        replies = speculate(self.loaded, seq.tokens[-1], seq.cache, seq.tokens[:-1], seq.max_tokens - seq.generated, seq.job.sampling)
         try:
             for r in replies:
                 self.generated_tokens += 1
@@ -445,7 +452,6 @@ class Engine:
             return self._finish(seq, finish, seq.cache)
         if seq.job.cancelled.is_set():
             return self._cancelled(seq)
-        logits = self.loaded.model(mx.array(seq.tokens[-1:])[None], seq.cache)[:, -1, :]
-        first = seq.sample(logits, None)
-        self._join(seq, first)
+        seq.first = mx.array(seq.tokens[-1:])
+        self._join(seq)
         self.rejoined += 1

@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""`hybrid serve` under load: the prompt cache's effect on a growing chat, and requests/s and
+latency at several concurrent clients with continuous batching and with a plain queue.
+
+Each configuration is its own `hybrid serve` process (on this machine's default device), driven
+over HTTP from here with the standard library's client (so the client needs nothing installed):
+
+- chat: a 10-turn conversation (user turns from benchmarks/chat_prompts.txt, greedy replies of
+  --reply-tokens, appended to the history), time to the first streamed token of each turn, with
+  the prompt cache (the default) and without it (`--prompt-cache 0`). The replies, hence the
+  prompts, are the same in both runs.
+- concurrency: --requests requests (distinct prompts, --max-tokens tokens each, EOS suppressed
+  with logit_bias so every request generates them all) from 1, 4 and 16 client threads; per
+  level, requests/s, generated tokens/s and the p50/p95 latency and time to first token, with
+  continuous batching (the default, `--max-batch 16`) and with a queue (`--max-batch 1`).
+
+    python benchmarks/serve.py                                  # the embedded default model
+    python benchmarks/serve.py --model DIR --out DIR --label "NVIDIA H100, MLX CUDA backend"
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+from datetime import date
+from pathlib import Path
+from statistics import mean, median
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from run import device_description, slugify  # noqa: E402
+
+MODEL_ID = "bench"
+
+
+class Served:
+    """A `hybrid serve` process on a free port of 127.0.0.1."""
+
+    def __init__(self, model: str | None, *options: str):
+        command = [sys.executable, "-m", "mlx_hybrid.cli.main", "serve", "--port", "0", "--temp", "0", *options]
+        command += ["--model", model] if model else []
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while True:
+            line = self.process.stderr.readline()
+            if line.startswith("Serving "):
+                self.model = line.split("'")[1]
+                self.host, port = line.split("http://")[1].split("/")[0].rsplit(":", 1)
+                self.port = int(port)
+                break
+            if (not line and self.process.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"hybrid serve did not start: {' '.join(command)}")
+        threading.Thread(target=self.process.stderr.read, daemon=True).start()  # keep its pipe drained
+
+    def stream(self, path: str, body: dict) -> dict:
+        """POST a streaming request; returns ttft (s, to the first text), latency (s), usage."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        body = dict(body, model=self.model, stream=True, stream_options={"include_usage": True})
+        tic = time.perf_counter()
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status}: {response.read()[:300]!r}")
+        ttft, text, usage = None, [], None
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                piece = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - tic
+                    text.append(piece)
+        latency = time.perf_counter() - tic
+        conn.close()
+        return {"ttft": ttft if ttft is not None else latency, "latency": latency, "usage": usage, "text": "".join(text)}
+
+    def health(self) -> dict:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        conn.request("GET", "/health")
+        out = json.loads(conn.getresponse().read())
+        conn.close()
+        return out
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(60)
+
+
+def chat(server: Served, prompts: list[str], turns: int, reply_tokens: int) -> list[dict]:
+    messages, out = [], []
+    for text in prompts[:turns]:
+        messages.append({"role": "user", "content": text})
+        r = server.stream("/v1/chat/completions", {"messages": messages, "max_tokens": reply_tokens})
+        messages.append({"role": "assistant", "content": r["text"]})
+        u = r["usage"]
+        out.append({"ttft": r["ttft"], "prompt_tokens": u["prompt_tokens"], "cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "reply": r["text"]})
+    return out
+
+
+def load_level(server: Served, prompts: list[str], clients: int, max_tokens: int, no_eos: dict) -> dict:
+    todo, lock, results = list(prompts), threading.Lock(), []
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                prompt = todo.pop()
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "logit_bias": no_eos}
+            r = server.stream("/v1/chat/completions", body)
+            with lock:
+                results.append(r)
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    latencies = sorted(r["latency"] for r in results)
+    ttfts = sorted(r["ttft"] for r in results)
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    return {
+        "clients": clients, "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
+        "tokens_per_s": tokens / wall, "completion_tokens": tokens,
+        "latency_p50": median(latencies), "latency_p95": percentile(latencies, 95),
+        "ttft_p50": median(ttfts), "ttft_p95": percentile(ttfts, 95),
+    }
+
+
+def workload(prompts: list[str], clients: int, n: int) -> list[str]:
+    """n distinct prompts, distinct from the chat's and from other levels' from their first token
+    on, so that no level reads another's from the prompt cache."""
+    return [f"Request {clients}.{i}: {prompts[(i * 7) % len(prompts)]}" for i in range(n)]
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    k = max(0, min(len(sorted_values) - 1, -(-len(sorted_values) * q // 100) - 1))
+    return sorted_values[int(k)]
+
+
+def eos_bias(model: str | None) -> dict:
+    from mlx_hybrid.default_model import default_model_path
+    from mlx_hybrid.hub import resolve
+    from mlx_hybrid.loader import load_tokenizer
+
+    path = resolve(model) if model else default_model_path()
+    config = json.loads((path / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos, config.get("base_model_type"))
+    return {str(t): -100 for t in tokenizer.eos_token_ids}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="Model directory or Hub id (default: the embedded default model).")
+    p.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="Directory for the JSON result.")
+    p.add_argument("--label", help="Device label (default: derived from the device).")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=32, help="Requests per concurrency level.")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--concurrency", default="1,4,16")
+    args = p.parse_args(argv)
+
+    device = device_description()
+    label = args.label or device["default_label"]
+    prompts = [line.strip() for line in (BENCH_DIR / "chat_prompts.txt").read_text().splitlines() if line.strip()]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    no_eos = eos_bias(args.model)
+    result = {"label": label, "device": device, "model": args.model or "embedded default", "date": date.today().isoformat(),
+              "turns": args.turns, "reply_tokens": args.reply_tokens, "max_tokens": args.max_tokens, "requests": args.requests}
+
+    batched = Served(args.model)
+    try:
+        batched.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
+        result["chat_with_cache"] = chat(batched, prompts, args.turns, args.reply_tokens)
+        result["batching"] = [load_level(batched, workload(prompts, c, args.requests), c, args.max_tokens, no_eos) for c in levels]
+        result["health_after"] = batched.health()
+    finally:
+        batched.stop()
+    uncached = Served(args.model, "--prompt-cache", "0")
+    try:
+        uncached.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
+        result["chat_without_cache"] = chat(uncached, prompts, args.turns, args.reply_tokens)
+    finally:
+        uncached.stop()
+    queued = Served(args.model, "--max-batch", "1")
+    try:
+        queued.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
+        result["queue"] = [load_level(queued, workload(prompts, c, args.requests), c, args.max_tokens, no_eos) for c in levels]
+    finally:
+        queued.stop()
+    result["same_replies"] = [t["reply"] for t in result["chat_with_cache"]] == [t["reply"] for t in result["chat_without_cache"]]
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    slug = f"serve-{slugify(result['model'])}-{slugify(label)}"
+    (args.out / f"{slug}.json").write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print(f"\nwrote {args.out / (slug + '.json')}")
+    return 0
+
+
+def table(r: dict) -> str:
+    lines = [f"hybrid serve, {r['model']}, {r['label']}, {r['date']}", "",
+             f"Growing {r['turns']}-turn chat, {r['reply_tokens']}-token greedy replies: time to first token",
+             "", "| turn | prompt tokens | from cache | TTFT, cache (ms) | TTFT, no cache (ms) |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for i, (a, b) in enumerate(zip(r["chat_with_cache"], r["chat_without_cache"]), 1):
+        lines.append(f"| {i} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} |")
+    later = slice(1, None)
+    with_cache = mean(t["ttft"] for t in r["chat_with_cache"][later]) * 1e3
+    without = mean(t["ttft"] for t in r["chat_without_cache"][later]) * 1e3
+    lines += [f"| turns 2-{r['turns']}, mean | | | {with_cache:.0f} | {without:.0f} |", "",
+              f"same replies with and without the cache: {'yes' if r['same_replies'] else 'no'}", "",
+              f"Concurrent clients, {r['requests']} requests of {r['max_tokens']} tokens per level", "",
+              "| server | clients | requests/s | tokens/s | latency p50 (s) | latency p95 (s) | TTFT p50 (s) | TTFT p95 (s) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, key in (("continuous batching", "batching"), ("queue (--max-batch 1)", "queue")):
+        for lv in r[key]:
+            lines.append(f"| {name} | {lv['clients']} | {lv['requests_per_s']:.2f} | {lv['tokens_per_s']:.1f} | {lv['latency_p50']:.2f} | "
+                         f"{lv['latency_p95']:.2f} | {lv['ttft_p50']:.2f} | {lv['ttft_p95']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
