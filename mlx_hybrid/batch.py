@@ -29,17 +29,28 @@ class BatchKVCache:
     sequences: row r holds its keys in columns [pad[r], size), column c at absolute position
     start[r] + c - pad[r]. Decode steps only (one new token a row): prompts are read per sequence."""
 
-    def __init__(self, window: int | None):
+    def __init__(self, window: int | None, shared: dict | None = None):
         self.window = window
         self.keys = self.values = None
         self.size = 0  # columns in use, the same for every row
         self.pad: list[int] = []
         self.start: list[int] = []  # absolute position of each row's first held key
+        # The positions and mask of a step, built once for all the layers of a `Batch` (they
+        # share pad, start and size), not once a layer: a decode step is a chain of small ops.
+        self.shared = {} if shared is None else shared
+
+    def _once(self, name: str, build):
+        key = (name, self.size, self.window)
+        if key not in self.shared:
+            if len(self.shared) > 4:  # earlier steps'
+                self.shared.clear()
+            self.shared[key] = build()
+        return self.shared[key]
 
     @property
     def offset(self) -> mx.array:
         """Each row's position of its next token (RoPE takes one offset per batch entry)."""
-        return mx.array([s + self.size - p for s, p in zip(self.start, self.pad)], mx.int32)
+        return self._once("offset", lambda: mx.array([s + self.size - p for s, p in zip(self.start, self.pad)], mx.int32))
 
     def add(self, cache: KVCache):
         """Append a sequence's cache as the last row."""
@@ -102,9 +113,11 @@ class BatchKVCache:
         window; None where no row has padding and no window applies."""
         if not any(self.pad) and self.window is None:
             return None
+        return self._once("mask", self._mask)
+
+    def _mask(self) -> mx.array:
         columns = mx.arange(self.size)[None]
-        pad = mx.array(self.pad)[:, None]
-        mask = columns >= pad
+        mask = columns >= mx.array(self.pad)[:, None]
         if self.window is not None:
             mask = mask & (self.size - 1 - columns < self.window)
         return mask[:, None, None, :]
@@ -129,11 +142,13 @@ class Batch:
     def __init__(self):
         self.caches: list | None = None
         self.rows = 0
+        self.shared: dict = {}  # what the layers' `BatchKVCache`s build once a step
 
     def add(self, cache: list):
         """Append a sequence's per-layer caches (`model.make_cache()`, holding at least one token)."""
         if self.caches is None:
-            self.caches = [BatchKVCache(c.window) if isinstance(c, KVCache) else StateCache() for c in cache]
+            self.caches = [BatchKVCache(c.window, self.shared) if isinstance(c, KVCache) else StateCache() for c in cache]
+        self.shared.clear()  # the rows change
         for b, c in zip(self.caches, cache):
             if isinstance(b, BatchKVCache):
                 b.add(c)
@@ -147,6 +162,7 @@ class Batch:
             self.caches, self.rows = None, 0
             return
         index = mx.array(rows, mx.int32)
+        self.shared.clear()
         for b in self.caches:
             if isinstance(b, BatchKVCache):
                 b.keep(rows)
