@@ -381,3 +381,15 @@ def test_hybrid_speculative_chat_reuses_snapshots(hybrid_server, hybrid):
     system_tokens = len(render_chat(tokenizer, [system], add_generation_prompt=False))
     assert r.usage.prompt_tokens_details.cached_tokens == system_tokens
     assert hybrid_server.engine.speculated_tokens > 0
+
+
+def test_readme_client_example(server, llama, capsys):
+    """The README's five-line openai example, pointed at this server and model."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = readme.split("Any OpenAI client works; with `pip install openai`:\n\n```python\n")[1].split("```")[0]
+    assert len(code.strip().splitlines()) == 5
+    exec(code.replace("http://127.0.0.1:8080/v1", server.url).replace('model="default"', 'model="tiny"'), {})
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    assert capsys.readouterr().out == chat_reference(llama, messages, 100)
