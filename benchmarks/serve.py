@@ -2,8 +2,9 @@
 """`hybrid serve` under load: the prompt cache's effect on a growing chat, and requests/s and
 latency at several concurrent clients with continuous batching and with a plain queue.
 
-Each configuration is its own `hybrid serve` process (on this machine's default device), driven
-over HTTP from here with the standard library's client (so the client needs nothing installed):
+Each configuration is its own `hybrid serve` process (on this machine's default device), all
+started at once and driven in turn over HTTP from here with the standard library's client (so the
+client needs nothing installed):
 
 - chat: a 10-turn conversation (user turns from benchmarks/chat_prompts.txt, greedy replies of
   --reply-tokens, appended to the history), time to the first streamed token of each turn, with
@@ -94,14 +95,17 @@ class Served:
         self.process.wait(60)
 
 
-def chat(server: Served, prompts: list[str], turns: int, reply_tokens: int) -> list[dict]:
-    messages, out = [], []
+def chat(servers: list[Served], prompts: list[str], turns: int, reply_tokens: int) -> list[list[dict]]:
+    """The same conversation on each server, turn by turn in turn (drift in the machine's speed
+    then hits all alike); per server, per turn: TTFT, prompt and cached tokens, the reply."""
+    histories, out = [[] for _ in servers], [[] for _ in servers]
     for text in prompts[:turns]:
-        messages.append({"role": "user", "content": text})
-        r = server.stream("/v1/chat/completions", {"messages": messages, "max_tokens": reply_tokens})
-        messages.append({"role": "assistant", "content": r["text"]})
-        u = r["usage"]
-        out.append({"ttft": r["ttft"], "prompt_tokens": u["prompt_tokens"], "cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "reply": r["text"]})
+        for server, messages, rows in zip(servers, histories, out):
+            messages.append({"role": "user", "content": text})
+            r = server.stream("/v1/chat/completions", {"messages": messages, "max_tokens": reply_tokens})
+            messages.append({"role": "assistant", "content": r["text"]})
+            u = r["usage"]
+            rows.append({"ttft": r["ttft"], "prompt_tokens": u["prompt_tokens"], "cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "reply": r["text"]})
     return out
 
 
@@ -181,26 +185,20 @@ def main(argv=None) -> int:
     result = {"label": label, "device": device, "model": args.model or "embedded default", "date": date.today().isoformat(),
               "turns": args.turns, "reply_tokens": args.reply_tokens, "max_tokens": args.max_tokens, "requests": args.requests}
 
-    batched = Served(args.model)
+    servers = {"batched": Served(args.model), "uncached": Served(args.model, "--prompt-cache", "0"),
+               "queued": Served(args.model, "--max-batch", "1")}
     try:
-        batched.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
-        result["chat_with_cache"] = chat(batched, prompts, args.turns, args.reply_tokens)
-        result["batching"] = [load_level(batched, workload(prompts, c, args.requests), c, args.max_tokens, no_eos) for c in levels]
-        result["health_after"] = batched.health()
+        for server in servers.values():
+            server.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
+        result["chat_with_cache"], result["chat_without_cache"] = chat([servers["batched"], servers["uncached"]], prompts, args.turns, args.reply_tokens)
+        result["batching"], result["queue"] = [], []
+        for c in levels:  # the two servers level by level in turn, as the chat
+            result["batching"].append(load_level(servers["batched"], workload(prompts, c, args.requests), c, args.max_tokens, no_eos))
+            result["queue"].append(load_level(servers["queued"], workload(prompts, c, args.requests), c, args.max_tokens, no_eos))
+        result["health_after"] = servers["batched"].health()
     finally:
-        batched.stop()
-    uncached = Served(args.model, "--prompt-cache", "0")
-    try:
-        uncached.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
-        result["chat_without_cache"] = chat(uncached, prompts, args.turns, args.reply_tokens)
-    finally:
-        uncached.stop()
-    queued = Served(args.model, "--max-batch", "1")
-    try:
-        queued.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
-        result["queue"] = [load_level(queued, workload(prompts, c, args.requests), c, args.max_tokens, no_eos) for c in levels]
-    finally:
-        queued.stop()
+        for server in servers.values():
+            server.stop()
     result["same_replies"] = [t["reply"] for t in result["chat_with_cache"]] == [t["reply"] for t in result["chat_without_cache"]]
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -122,13 +122,7 @@ class BatchKVCache:
             mask = mask & (self.size - 1 - columns < self.window)
         return mask[:, None, None, :]
 
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
+    state, nbytes = KVCache.state, KVCache.nbytes  # the buffers, as a KV cache's
 
 
 def _pad_left(a: mx.array, n: int) -> mx.array:

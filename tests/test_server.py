@@ -393,3 +393,15 @@ def test_readme_client_example(server, llama, capsys):
     exec(code.replace("http://127.0.0.1:8080/v1", server.url).replace('model="default"', 'model="tiny"'), {})
     messages = [{"role": "user", "content": "Tell me a story."}]
     assert capsys.readouterr().out == chat_reference(llama, messages, 100)
+
+
+def test_serve_command_errors(monkeypatch, capsys, tmp_path):
+    """Bad options and a model that does not load end in one line before anything listens."""
+    from test_cli import assert_one_line_error, run
+
+    code, _, err = run(monkeypatch, capsys, "serve", "--port", 70000)
+    assert_one_line_error(code, err, "--port")
+    code, _, err = run(monkeypatch, capsys, "serve", "--prompt-cache", "lots")
+    assert_one_line_error(code, err, "'lots'")
+    code, _, err = run(monkeypatch, capsys, "serve", "-m", tmp_path / "nothing-here")
+    assert_one_line_error(code, err, "nothing-here")

@@ -244,7 +244,7 @@ class Engine:
                     self.batch, self.seqs, self.pending, self.rows, self.alone = Batch(), [], None, 0, None
                     self.speculating = False
                     mx.clear_cache()
-        for job in self._drain():
+        for job in [seq.job for seq in self.seqs] + self._drain():
             job.send(Failed(503, "the server is shutting down"))
 
     def _drain(self) -> list[Job]:
