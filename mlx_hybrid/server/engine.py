@@ -391,7 +391,11 @@ class Engine:
             if seq.job.cancelled.is_set():
                 self._cancelled(seq)
                 continue
-            finish, seq.fresh = (None if seq.fresh else seq.emit(token)), False
+            if seq.fresh:  # read when it joined
+                seq.fresh = False
+                keep.append(i)
+                continue
+            finish = seq.emit(token)
             self.generated_tokens += 1
             if finish:
                 self._finish(seq, finish, self.batch.take(i, len(seq.tokens)))
