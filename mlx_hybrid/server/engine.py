@@ -179,6 +179,10 @@ class Engine:
         self.error: BaseException | None = None
         self.loaded: Loaded | None = None
         self.context_limit: int | None = None
+        self.recurrent = False  # a layer keeps a recurrent state: the prefill leaves snapshots
+        # The batch: its caches, its rows' sequences in row order, and their pending tokens.
+        self.batch, self.seqs, self.pending = Batch(), [], None
+        self.alone: Job | None = None  # the job being started or speculating, outside the batch
         # Counters for /health and the tests (read from other threads: plain ints).
         self.rows = 0
         self.peak_rows = 0  # the widest batch so far
@@ -228,8 +232,6 @@ class Engine:
             self.ready.set()
             return
         self.ready.set()
-        self.batch, self.seqs, self.pending = Batch(), [], None
-        self.alone: Job | None = None  # the job being started or speculating, outside the batch
         with mx.stream(generation_stream):
             while True:
                 try:
@@ -268,10 +270,10 @@ class Engine:
             try:
                 job = self.jobs.get() if idle else self.jobs.get_nowait()
             except queue.Empty:
-                job = False
-            if job is None:
-                return False
-            if job:
+                pass
+            else:
+                if job is None:
+                    return False
                 self.alone = job
                 seq = self._start(job)
                 if seq is not None and idle and self.jobs.empty() and self._can_speculate(seq):
