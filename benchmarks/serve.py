@@ -14,8 +14,11 @@ client needs nothing installed):
   with logit_bias so every request generates them all) from 1, 4 and 16 client threads; per
   level, requests/s, generated tokens/s and the p50/p95 latency and time to first token, with
   continuous batching (the default, `--max-batch 16`) and with a queue (`--max-batch 1`).
+- steps (`--parts steps`, in this process, no server): the time of one batched decode step at 1, 4
+  and 16 rows (`mlx_hybrid.batch`), what bounds batching's gain on a device.
 
     python benchmarks/serve.py                                  # the embedded default model
+    python benchmarks/serve.py --parts steps                    # the decode step's cost per batch width
     python benchmarks/serve.py --model DIR --out DIR --label "NVIDIA H100, MLX CUDA backend"
 """
 
@@ -147,6 +150,35 @@ def workload(prompts: list[str], clients: int, n: int) -> list[str]:
     return [f"Request {clients}.{i}: {prompts[(i * 7) % len(prompts)]}" for i in range(n)]
 
 
+def step_costs(model_arg: str | None, widths: list[int], context: int = 64, steps: int = 10) -> list[dict]:
+    """Median time of a batched decode step over rows that each hold `context` tokens."""
+    import mlx.core as mx
+
+    from mlx_hybrid.batch import Batch
+    from mlx_hybrid.default_model import default_model_path
+    from mlx_hybrid.generate import prefill
+    from mlx_hybrid.hub import resolve
+    from mlx_hybrid.loader import load
+
+    model, _ = load(resolve(model_arg) if model_arg else default_model_path())
+    out = []
+    for width in widths:
+        batch = Batch()
+        for row in range(width):
+            cache = model.make_cache()
+            prefill(model, mx.array([(7 * row + i) % 1000 + 3 for i in range(context)]), cache)
+            batch.add(cache)
+        tokens = mx.array([5] * width)[:, None]
+        times = []
+        for i in range(steps + 2):  # two warm-up steps
+            tic = time.perf_counter()
+            mx.eval(model(tokens, batch.caches))
+            times.append(time.perf_counter() - tic)
+        step = median(times[2:])
+        out.append({"rows": width, "step_ms": step * 1e3, "tokens_per_s": width / step})
+    return out
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     k = max(0, min(len(sorted_values) - 1, -(-len(sorted_values) * q // 100) - 1))
@@ -175,38 +207,48 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=32, help="Requests per concurrency level.")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--parts", default="serve", choices=["serve", "steps"], help="serve (chat and concurrency through servers) or steps (batched decode step cost)")
     args = p.parse_args(argv)
 
     device = device_description()
     label = args.label or device["default_label"]
     prompts = [line.strip() for line in (BENCH_DIR / "chat_prompts.txt").read_text().splitlines() if line.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
-    no_eos = eos_bias(args.model)
     result = {"label": label, "device": device, "model": args.model or "embedded default", "date": date.today().isoformat(),
               "turns": args.turns, "reply_tokens": args.reply_tokens, "max_tokens": args.max_tokens, "requests": args.requests}
 
-    servers = {"batched": Served(args.model), "uncached": Served(args.model, "--prompt-cache", "0"),
-               "queued": Served(args.model, "--max-batch", "1")}
-    try:
-        for server in servers.values():
-            server.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
-        result["chat_with_cache"], result["chat_without_cache"] = chat([servers["batched"], servers["uncached"]], prompts, args.turns, args.reply_tokens)
-        result["batching"], result["queue"] = [], []
-        for c in levels:  # the two servers level by level in turn, as the chat
-            result["batching"].append(load_level(servers["batched"], workload(prompts, c, args.requests), c, args.max_tokens, no_eos))
-            result["queue"].append(load_level(servers["queued"], workload(prompts, c, args.requests), c, args.max_tokens, no_eos))
-        result["health_after"] = servers["batched"].health()
-    finally:
-        for server in servers.values():
-            server.stop()
-    result["same_replies"] = [t["reply"] for t in result["chat_with_cache"]] == [t["reply"] for t in result["chat_without_cache"]]
+    if args.parts == "steps":
+        result["steps"] = step_costs(args.model, levels)
+    else:
+        no_eos = eos_bias(args.model)
+        servers = {"batched": Served(args.model), "uncached": Served(args.model, "--prompt-cache", "0"),
+                   "queued": Served(args.model, "--max-batch", "1")}
+        try:
+            for server in servers.values():
+                server.stream("/v1/completions", {"prompt": "warm up", "max_tokens": 4})
+            result["chat_with_cache"], result["chat_without_cache"] = chat([servers["batched"], servers["uncached"]], prompts, args.turns, args.reply_tokens)
+            result["batching"], result["queue"] = [], []
+            for c in levels:  # the two servers level by level in turn, as the chat
+                result["batching"].append(load_level(servers["batched"], workload(prompts, c, args.requests), c, args.max_tokens, no_eos))
+                result["queue"].append(load_level(servers["queued"], workload(prompts, c, args.requests), c, args.max_tokens, no_eos))
+            result["health_after"] = servers["batched"].health()
+        finally:
+            for server in servers.values():
+                server.stop()
+        result["same_replies"] = [t["reply"] for t in result["chat_with_cache"]] == [t["reply"] for t in result["chat_without_cache"]]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    slug = f"serve-{slugify(result['model'])}-{slugify(label)}"
+    slug = f"serve{'-steps' if args.parts == 'steps' else ''}-{slugify(result['model'])}-{slugify(label)}"
     (args.out / f"{slug}.json").write_text(json.dumps(result, indent=1))
-    print(table(result))
+    print(steps_table(result) if args.parts == "steps" else table(result))
     print(f"\nwrote {args.out / (slug + '.json')}")
     return 0
+
+
+def steps_table(r: dict) -> str:
+    lines = [f"Batched decode step, {r['model']}, {r['label']}, {r['date']}", "", "| rows | step (ms) | tokens/s |", "| ---: | ---: | ---: |"]
+    lines += [f"| {s['rows']} | {s['step_ms']:.1f} | {s['tokens_per_s']:.1f} |" for s in r["steps"]]
+    return "\n".join(lines)
 
 
 def table(r: dict) -> str:

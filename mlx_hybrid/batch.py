@@ -90,7 +90,8 @@ class BatchKVCache:
 
     def take(self, row: int) -> KVCache:
         """Row `row` as a per-sequence cache: a copy, so that it holds no view of the batch's
-        buffers (a view would keep them alive, and make the next step copy them whole)."""
+        buffers (a view would keep them alive, and make the next step copy them whole); the
+        caller evaluates it (`Batch.take`)."""
         cache = KVCache(self.window)
         pad = self.pad[row]
         cache.keys, cache.values = (mx.contiguous(a[row : row + 1, :, pad : self.size]) for a in (self.keys, self.values))
@@ -165,7 +166,8 @@ class Batch:
         self.rows = len(rows)
 
     def take(self, row: int, length: int) -> list:
-        """Row `row`'s caches as a sequence's own (copies), holding `length` tokens."""
+        """Row `row`'s caches as a sequence's own, holding `length` tokens: copies, evaluated at
+        once (not yet made, they would keep the batch's whole buffers alive; see `copy_cache`)."""
         out = []
         for b in self.caches:
             if isinstance(b, BatchKVCache):
@@ -174,6 +176,7 @@ class Batch:
                 c = StateCache()
                 c.update([mx.contiguous(a[row : row + 1]) for a in b.arrays], length)
                 out.append(c)
+        mx.eval([c.state for c in out])
         return out
 
     @property

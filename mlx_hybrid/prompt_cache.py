@@ -23,8 +23,9 @@ from mlx_hybrid.generate import common_prefix
 
 def copy_cache(cache: list, n: int) -> list:
     """A copy of per-sequence caches cut back to their first n tokens (n >= `floor(cache)`).
-    The KV rows are copied, not viewed: a view would keep the source buffers alive, and make
-    the copy's first write duplicate them (MLX writes in place only into unshared buffers)."""
+    The KV rows are copied, not viewed, and the copy is evaluated at once: a view, or a copy not
+    yet made, keeps the whole source buffer alive (memory the cache's bound does not see), and
+    makes the source's next write copy it whole (MLX writes in place only into unshared buffers)."""
     out = []
     for c in cache:
         if isinstance(c, KVCache):
@@ -37,6 +38,7 @@ def copy_cache(cache: list, n: int) -> list:
             s = StateCache()
             s.update(list(c.arrays), c.offset)
             out.append(s)
+    mx.eval([c.state for c in out])
     return out
 
 

@@ -75,3 +75,26 @@ def test_redundant_prefixes_and_memory_bound(models):
     pc.insert([105] * 5, read(model, [105] * 5))
     assert [k[0] for k in pc.entries] == [104, 102, 105]
     PromptCache(size - 1).insert(A[:10], read(model, A[:10]))  # larger than the bound: not kept, no error
+
+
+def test_copies_hold_only_their_own_memory(models):
+    """A copy (an entry's, or a row taken out of a batch) must not keep its source's buffers
+    alive: the cache's memory bound counts only the copy."""
+    from mlx_hybrid.batch import Batch
+    from mlx_hybrid.prompt_cache import copy_cache
+
+    model = models["hybrid"]
+    source = read(model, list(range(3, 300)))  # KV buffers of 512 rows, 299 used
+    size = cache_nbytes(source)
+    base = mx.get_active_memory() - size
+    copy = copy_cache(source, 299)
+    del source
+    assert mx.get_active_memory() - base < cache_nbytes(copy) + size / 4  # source kept: + size
+    batch = Batch()
+    for i in range(8):
+        batch.add(read(model, list(range(3 + i, 200))))
+    size = batch.nbytes
+    base = mx.get_active_memory() - size
+    taken = batch.take(2, 197)
+    batch.keep([])
+    assert mx.get_active_memory() - base < cache_nbytes(taken) + size / 4  # the batch kept: + size
