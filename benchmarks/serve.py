@@ -16,9 +16,15 @@ client needs nothing installed):
   continuous batching (the default, `--max-batch 16`) and with a queue (`--max-batch 1`).
 - steps (`--parts steps`, in this process, no server): the time of one batched decode step at 1, 4
   and 16 rows (`mlx_hybrid.batch`), what bounds batching's gain on a device.
+- robustness (`--parts robustness`): each kind of bad request (status and error code, and that a
+  good request is served after it), a client that disconnects mid-stream (how many tokens the
+  server generated before it stopped), and --in-a-row short requests one after another with the
+  server's memory (MLX's active memory, the prompt cache's bytes, the process's resident set)
+  every 100, under a 64 MB prompt-cache bound.
 
     python benchmarks/serve.py                                  # the embedded default model
     python benchmarks/serve.py --parts steps                    # the decode step's cost per batch width
+    python benchmarks/serve.py --parts robustness               # bad requests, a disconnect, 1,000 requests
     python benchmarks/serve.py --model DIR --out DIR --label "NVIDIA H100, MLX CUDA backend"
 """
 
@@ -150,6 +156,73 @@ def workload(prompts: list[str], clients: int, n: int) -> list[str]:
     return [f"Request {clients}.{i}: {prompts[(i * 7) % len(prompts)]}" for i in range(n)]
 
 
+BAD_REQUESTS = [  # (what, path, body): each must get a 4xx in OpenAI's error shape
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "M", "messages": ['),
+    ("body not an object", "/v1/completions", b"[1, 2]"),
+    ("unknown field", "/v1/completions", {"prompt": "hi", "beam_search": True}),
+    ("wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "12"}),
+    ("value out of range", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 7}),
+    ("prompt over the context", "/v1/completions", {"prompt": "hello " * 20000}),
+    ("absurd max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 10**12}),
+    ("unsupported n", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 4}),
+    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-4o"}),
+    ("unknown route", "/v1/embeddings", {"input": "hi"}),
+]
+
+
+def robustness(server: Served, in_a_row: int, no_eos: dict) -> dict:
+    bad = []
+    for what, path, body in BAD_REQUESTS:
+        if isinstance(body, dict):
+            body = json.dumps({"model": server.model} | body).encode()
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        error = json.loads(response.read()).get("error", {})
+        conn.close()
+        after = server.stream("/v1/completions", {"prompt": "still serving?", "max_tokens": 2})
+        bad.append({"what": what, "status": response.status, "code": error.get("code"), "param": error.get("param"),
+                    "served_after": after["usage"]["completion_tokens"] > 0})
+
+    before = server.health()["generated_tokens"]
+    limit = 2000
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": limit, "stream": True, "logit_bias": no_eos}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response, chunks = conn.getresponse(), 0
+    for line in response:
+        chunks += line.startswith(b"data: ")
+        if chunks == 3:
+            break
+    tic = time.perf_counter()
+    response.close()  # the client goes away mid-stream
+    conn.close()
+    while server.health()["running"]:
+        time.sleep(0.05)
+    disconnect = {"max_tokens": limit, "generated_before_stop": server.health()["generated_tokens"] - before, "stopped_after_s": time.perf_counter() - tic}
+
+    samples = []
+    for i in range(in_a_row + 1):
+        if i % 100 == 0:
+            h = server.health()
+            samples.append({"requests": i, "mlx_active": h["memory"]["active"], "prompt_cache_bytes": h["prompt_cache"]["bytes"],
+                            "prompt_cache_max": h["prompt_cache"]["max_bytes"], "rss": resident_bytes(server.process.pid)})
+        if i < in_a_row:
+            server.stream("/v1/completions", {"prompt": f"Request {i}", "max_tokens": 1})
+    return {"bad_requests": bad, "disconnect": disconnect, "in_a_row": samples}
+
+
+def resident_bytes(pid: int) -> int | None:
+    """The process's resident set (Linux's /proc; None elsewhere)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def step_costs(model_arg: str | None, widths: list[int], context: int = 64, steps: int = 10) -> list[dict]:
     """Median time of a batched decode step over rows that each hold `context` tokens."""
     import mlx.core as mx
@@ -207,7 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=32, help="Requests per concurrency level.")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--parts", default="serve", choices=["serve", "steps"], help="serve (chat and concurrency through servers) or steps (batched decode step cost)")
+    p.add_argument("--parts", default="serve", choices=["serve", "steps", "robustness"], help="what to measure (see above)")
+    p.add_argument("--in-a-row", type=int, default=1000, help="requests one after another (robustness)")
     args = p.parse_args(argv)
 
     device = device_description()
@@ -219,6 +293,12 @@ def main(argv=None) -> int:
 
     if args.parts == "steps":
         result["steps"] = step_costs(args.model, levels)
+    elif args.parts == "robustness":
+        server = Served(args.model, "--prompt-cache", "64MB")
+        try:
+            result.update(robustness(server, args.in_a_row, eos_bias(args.model)))
+        finally:
+            server.stop()
     else:
         no_eos = eos_bias(args.model)
         servers = {"batched": Served(args.model), "uncached": Served(args.model, "--prompt-cache", "0"),
@@ -238,9 +318,9 @@ def main(argv=None) -> int:
         result["same_replies"] = [t["reply"] for t in result["chat_with_cache"]] == [t["reply"] for t in result["chat_without_cache"]]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    slug = f"serve{'-steps' if args.parts == 'steps' else ''}-{slugify(result['model'])}-{slugify(label)}"
+    slug = f"serve{'' if args.parts == 'serve' else '-' + args.parts}-{slugify(result['model'])}-{slugify(label)}"
     (args.out / f"{slug}.json").write_text(json.dumps(result, indent=1))
-    print(steps_table(result) if args.parts == "steps" else table(result))
+    print({"serve": table, "steps": steps_table, "robustness": robustness_table}[args.parts](result))
     print(f"\nwrote {args.out / (slug + '.json')}")
     return 0
 
@@ -248,6 +328,19 @@ def main(argv=None) -> int:
 def steps_table(r: dict) -> str:
     lines = [f"Batched decode step, {r['model']}, {r['label']}, {r['date']}", "", "| rows | step (ms) | tokens/s |", "| ---: | ---: | ---: |"]
     lines += [f"| {s['rows']} | {s['step_ms']:.1f} | {s['tokens_per_s']:.1f} |" for s in r["steps"]]
+    return "\n".join(lines)
+
+
+def robustness_table(r: dict) -> str:
+    lines = [f"Robustness, {r['model']}, {r['label']}, {r['date']}", "", "| bad request | status | code | param | served after |", "| --- | ---: | --- | --- | --- |"]
+    lines += [f"| {b['what']} | {b['status']} | {b['code'] or ''} | {b['param'] or ''} | {'yes' if b['served_after'] else 'no'} |" for b in r["bad_requests"]]
+    d = r["disconnect"]
+    lines += ["", f"Disconnect after 3 chunks of a {d['max_tokens']}-token stream: the server generated {d['generated_before_stop']} tokens "
+              f"and was idle {d['stopped_after_s']:.2f} s after the client closed.", "",
+              "| requests in a row | MLX active (MB) | prompt cache (MB, bound) | resident set (MB) |", "| ---: | ---: | ---: | ---: |"]
+    for s in r["in_a_row"]:
+        rss = f"{s['rss'] / 1e6:.0f}" if s["rss"] else "-"
+        lines.append(f"| {s['requests']} | {s['mlx_active'] / 1e6:.1f} | {s['prompt_cache_bytes'] / 1e6:.1f} ({s['prompt_cache_max'] / 1e6:.0f}) | {rss} |")
     return "\n".join(lines)
 
 
