@@ -52,6 +52,10 @@ KINDS = {
     "pass-phases": "benchmarks/gpu/pass_phases.py",
     "pass-timeline": "benchmarks/gpu/pass_timeline.py",
     "tree-step-cost": "benchmarks/gpu/tree_step_cost.py",
+    "serve": "benchmarks/serve.py",
+    "serve-steps": "benchmarks/serve.py --parts steps",
+    "serve-robustness": "benchmarks/serve.py --parts robustness",
+    "dsla-kernel": "benchmarks/dsla_kernel.py",
     "train-heads": "train_cuda/scripts/real_heads.py",
     "train-hybrid-target": "train_cuda/scripts/real_default.py --settings train_cuda/configs/real_hybrid_target.yaml",
 }
@@ -336,6 +340,59 @@ def training_tables(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def serve_tables(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        d, head = r.data, f"#### {r.data['model']}, {r.device} ({r.date}): `{show_command(r.data.get('command', 'python ' + KINDS[r.kind]))}`"
+        if r.kind == "serve":
+            lines = [head, "", "| turn | prompt tokens | from the cache | TTFT, cache (ms) | TTFT, no cache (ms) |",
+                     "| ---: | ---: | ---: | ---: | ---: |"]
+            pairs = list(zip(d["chat_with_cache"], d["chat_without_cache"]))
+            for turn, (a, b) in enumerate(pairs, 1):
+                lines.append(f"| {turn} | {a['prompt_tokens']} | {a['cached_tokens']} | {1e3 * a['ttft']:.0f} | {1e3 * b['ttft']:.0f} |")
+            later = pairs[1:]
+            lines.append(f"| turns 2-{len(pairs)}, mean | | | {1e3 * sum(a['ttft'] for a, _ in later) / len(later):.0f} | "
+                         f"{1e3 * sum(b['ttft'] for _, b in later) / len(later):.0f} |")
+            lines += ["", f"Replies the same with and without the cache: {'yes' if d['same_replies'] else 'no'}.", "",
+                      "| server | clients | requests/s | tokens/s | latency p50 (s) | latency p95 (s) | TTFT p50 (s) | TTFT p95 (s) |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for name, rows in (("continuous batching", d["batching"]), ("queue (`--max-batch 1`)", d["queue"])):
+                for x in rows:
+                    lines.append(f"| {name} | {x['clients']} | {x['requests_per_s']:.2f} | {x['tokens_per_s']:.1f} | {x['latency_p50']:.2f} | "
+                                 f"{x['latency_p95']:.2f} | {x['ttft_p50']:.2f} | {x['ttft_p95']:.2f} |")
+        elif r.kind == "serve-steps":
+            lines = [head, "", "| rows | step (ms) | tokens/s |", "| ---: | ---: | ---: |"]
+            lines += [f"| {x['rows']} | {x['step_ms']:.1f} | {x['tokens_per_s']:.1f} |" for x in d["steps"]]
+        else:
+            lines = [head, "", "| bad request | status | code | param | served after it |", "| --- | ---: | --- | --- | :---: |"]
+            lines += [f"| {x['what']} | {x['status']} | {x['code'] or ''} | {x['param'] or ''} | {'yes' if x['served_after'] else 'no'} |"
+                      for x in d["bad_requests"]]
+            c = d["disconnect"]
+            lines += ["", f"A client that closed a {c['max_tokens']}-token stream after 3 chunks: {c['generated_before_stop']} tokens "
+                      f"generated, the server idle {c['stopped_after_s']:.2f} s after the close.", "",
+                      "| requests in a row | MLX active (MB) | prompt cache (MB) | resident set (MB) |", "| ---: | ---: | ---: | ---: |"]
+            lines += [f"| {x['requests']} | {x['mlx_active'] / 1e6:.1f} | {x['prompt_cache_bytes'] / 1e6:.1f} | {x['rss'] / 1e6:.0f} |"
+                      for x in d["in_a_row"]]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def dsla_kernel_tables(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        d = r.data
+        lines = [f"#### {r.device}, {d['shape']} shape, bfloat16 ({r.date}): `{show_command(d['command'])}`", "",
+                 "| form | DSLA layer call | kernel (us) | unfused (us) | speedup | max abs diff |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for form, rows in d["layer"].items():
+            lines += [f"| {form} | {name} | {x['kernel_us']} | {x['unfused_us']} | {x['speedup']}× | {x['max_abs_diff']:.2g} |" for name, x in rows.items()]
+        lines += ["", "| form | converted | decode tok/s, kernel | decode tok/s, unfused | speedup |", "| --- | ---: | ---: | ---: | ---: |"]
+        for form, rows in d["adaptive"].items():
+            lines += [f"| {form} | {x['rate']:.0%} ({x['dsla_layers']} layers) | {x['kernel_tok_s']} | {x['unfused_tok_s']} | {x['speedup']}× |"
+                      for x in rows]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 TABLES = {
     "index": (None, index_table),
     "decode": (["decode"], decode_tables),
@@ -347,6 +404,8 @@ TABLES = {
     "graph-ops": (["graph-ops"], graph_tables),
     "tune": (["tune"], tune_tables),
     "training": (["train-heads", "train-hybrid-target"], training_tables),
+    "serve": (["serve", "serve-steps", "serve-robustness"], serve_tables),
+    "dsla-kernel": (["dsla-kernel"], dsla_kernel_tables),
 }
 
 

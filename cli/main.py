@@ -22,14 +22,21 @@ app = typer.Typer(
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-MODEL_HELP = "Model directory (config.json, *.safetensors, tokenizer). Default: the embedded distilled hybrid (4-bit, with its ReDrafter drafter)."
+MODEL_HELP = (
+    "Model directory (config.json, *.safetensors, tokenizer) or Hugging Face repo id (org/name, via the Hub cache). "
+    "Default: the embedded distilled hybrid (4-bit, with its ReDrafter drafter)."
+)
 
 
 def _load(model_dir: Optional[Path]):
-    """(model, tokenizer, its directory): model_dir, or the embedded default model's."""
+    """(model, tokenizer, its directory): model_dir (a directory or Hub repo id), or the embedded
+    default model's."""
+    from mlx_hybrid.hub import resolve
     from mlx_hybrid.loader import load
 
-    if model_dir is None:
+    if model_dir is not None:
+        model_dir = resolve(model_dir)
+    else:
         from mlx_hybrid.default_model import default_model_path
 
         try:
@@ -72,6 +79,7 @@ def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draf
     """The proposer --speculative asks for, its files given or beside the model, with this device's
     settings (`mlx_hybrid.profiles`). Without --speculative: the method a `hybrid tune` profile
     found fastest here, or None (plain decoding)."""
+    from mlx_hybrid.hub import resolve
     from mlx_hybrid.profiles import profile_choice, settings_for
 
     if method is None:
@@ -83,6 +91,7 @@ def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draf
     settings = settings_for(method, model_dir, target) if method in ("medusa", "redrafter") else None
     with err.status(f"Loading the {method} speculator ..."):
         path = draft_model if method == "draft" else heads
+        path = None if path is None else resolve(path)
         proposer = load_proposer(method, target, model_dir, path, num_draft=num_draft, settings=settings, tokenizer=tokenizer)
     if settings is not None:
         err.print(f"[dim]speculation: {settings.describe(method)}[/]")
@@ -268,7 +277,9 @@ def generate(
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Checkpoint: Hugging Face Llama/Mistral, MambaInLlama release, DSLA-Serve checkpoint, llama_hybrid, or a Llama .gguf file."),
+    src: Path = typer.Argument(
+        ..., help="Checkpoint: Hugging Face Llama/Mistral, MambaInLlama release, DSLA-Serve checkpoint, llama_hybrid (a directory or Hub repo id), or a Llama .gguf file."
+    ),
     dst: Path = typer.Argument(..., help="MLX model directory to write."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32. Default: as stored."),
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the linear layers and embeddings."),
@@ -293,6 +304,9 @@ def convert(
     from mlx_hybrid.convert.gguf import convert_gguf
     from mlx_hybrid.convert.hf import convert as convert_checkpoint
 
+    from mlx_hybrid.hub import CHECKPOINT_FILES, resolve
+
+    src, medusa, redrafter = (None if p is None else resolve(p, CHECKPOINT_FILES) for p in (src, medusa, redrafter))
     gguf = src.suffix == ".gguf"
     if gguf and (quantize or embed_bits or recipe != "uniform" or verify or medusa or redrafter):
         raise HybridError("a GGUF file keeps its own quantization: of the options, it takes only --dtype and --force")
@@ -397,6 +411,45 @@ def doctor():
     if failed:
         raise HybridError(f"{failed} of {len(results)} kernel checks failed")
     out.print(f"all {len(results)} checks passed", markup=False)
+
+
+
+@app.command()
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default serves this machine only."),
+    port: int = typer.Option(8080, "--port", help="TCP port to listen on."),
+    speculative: Optional[str] = Speculative,
+    heads: Optional[Path] = Heads,
+    draft_model: Optional[Path] = DraftModel,
+    num_draft: int = NumDraft,
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together; more wait in the queue."),
+    prompt_cache: str = typer.Option("2GB", "--prompt-cache", help="Memory for caches kept for reuse across requests, e.g. 2GB; 0 keeps none."),
+    temp: float = typer.Option(1.0, "--temp", help="Sampling temperature of requests that set none (OpenAI's default is 1)."),
+):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    from mlx_hybrid.adaptive import parse_budget
+    from mlx_hybrid.hub import is_repo_id
+    from mlx_hybrid.server import Loaded, Server
+
+    if not 0 <= port <= 65535:
+        raise HybridError(f"--port must be in [0, 65535], got {port}")
+    if max_batch < 1:
+        raise HybridError(f"--max-batch must be >= 1, got {max_batch}")
+    if temp < 0:
+        raise HybridError(f"--temp must be >= 0, got {temp}")
+    cache_bytes = 0 if prompt_cache.strip() == "0" else parse_budget(prompt_cache)
+    if model is None:
+        model_id = "default"
+    else:
+        model_id = str(model) if is_repo_id(str(model)) and not model.exists() else model.resolve().name
+
+    def load():  # runs on the server's model thread, which owns every MLX array
+        loaded, tokenizer, path = _load(model)
+        return Loaded(loaded, tokenizer, _proposer(speculative, loaded, tokenizer, path, heads, draft_model, num_draft))
+
+    server = Server(load, model_id, host, port, max_batch=max_batch, prompt_cache_bytes=cache_bytes, default_temp=temp)
+    server.run(on_ready=lambda url: err.print(f"Serving '{model_id}' at {url} (Ctrl-C stops)", markup=False))
 
 
 def _warning(message, category, filename, lineno, file=None, line=None):

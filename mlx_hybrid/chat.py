@@ -27,18 +27,18 @@ from mlx_hybrid.limits import clip_max_tokens
 from mlx_hybrid.sampling import SamplingParams
 
 
-def render_chat(tokenizer, messages: list[dict], context: int | None = None) -> list[int]:
-    """The prompt tokens of a conversation, ending where the assistant speaks: the tokenizer's chat
-    template, rendered with time and size limits (`mlx_hybrid.template`; context: the model's, in
-    tokens), mlx-lm's own renderer for the families it has one for, or "role: content" lines for a
-    tokenizer without a template."""
+def render_chat(tokenizer, messages: list[dict], context: int | None = None, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt tokens of a conversation, ending where the assistant speaks (unless
+    add_generation_prompt is False): the tokenizer's chat template, rendered with time and size
+    limits (`mlx_hybrid.template`; context: the model's, in tokens), mlx-lm's own renderer for the
+    families it has one for, or "role: content" lines for a tokenizer without a template."""
     if tokenizer.chat_template is None:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
         return tokenizer.encode(text)
     if getattr(tokenizer, "_chat_template", None) is not None:  # mlx-lm's Python renderer: library code
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) else out)
-    return tokenizer.encode(template.render(tokenizer, messages, context), add_special_tokens=False)
+    return tokenizer.encode(template.render(tokenizer, messages, context, add_generation_prompt), add_special_tokens=False)
 
 
 class ChatSession:

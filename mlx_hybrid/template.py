@@ -220,10 +220,11 @@ def longest_token(tokenizer) -> int:
     return _longest[tokenizer]
 
 
-def render(tokenizer, messages: list[dict], context: int | None = None) -> str:
-    """The tokenizer's chat template applied to messages, ending where the assistant speaks, with
-    the variables transformers passes (the special tokens, add_generation_prompt) and mlx-lm's
-    thinking switch. context: the model's, in tokens; it bounds the rendering's size."""
+def render(tokenizer, messages: list[dict], context: int | None = None, add_generation_prompt: bool = True) -> str:
+    """The tokenizer's chat template applied to messages, ending where the assistant speaks (unless
+    add_generation_prompt is False), with the variables transformers passes (the special tokens,
+    add_generation_prompt) and mlx-lm's thinking switch. context: the model's, in tokens; it
+    bounds the rendering's size."""
     try:
         template = _compile(tokenizer.get_chat_template())
     except jinja2.TemplateSyntaxError as e:
@@ -234,7 +235,7 @@ def render(tokenizer, messages: list[dict], context: int | None = None) -> str:
     variables = {
         **tokenizer.special_tokens_map,
         "messages": [{k: v for k, v in m.items() if v is not None} for m in messages],
-        "add_generation_prompt": True,
+        "add_generation_prompt": add_generation_prompt,
         getattr(tokenizer, "_thinking_kwarg", "enable_thinking"): getattr(tokenizer, "has_thinking", False),
     }
     token = _budget.set([time.monotonic() + SECONDS, max_chars, max_chars])
