@@ -23,7 +23,8 @@ CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "
 # config.json fields that size the model: required positive integers, then optional ones.
 SIZES = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-                  "d_state", "d_conv", "d_inner", "d_xb", "dt_rank", "gate_rank")  # the last six: hybrids
+                  "d_state", "d_conv", "d_inner", "d_xb", "dt_rank", "dsla_kv_heads")  # the last six: hybrids
+# (DSLA's gate_rank may be 0, full-rank gates: `hybrid.ModelArgs` checks it.)
 POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 # MLX's affine quantization (mx.quantize): the group sizes and bit widths it has kernels for.
 QUANT_GROUP_SIZES = (32, 64, 128)
