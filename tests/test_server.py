@@ -5,8 +5,11 @@ wait by a deadline."""
 
 import http.client
 import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -171,6 +174,29 @@ def test_speculating_job_rejoins_the_batch_when_another_arrives(hybrid_dir, hybr
     assert engine.speculated_tokens > 0 and engine.rejoined == 1
     assert first.send.text == generate(model, tokenizer, "Once upon a time", max_tokens=60)
     assert second.send.text == generate(model, tokenizer, "The quick brown fox", max_tokens=20)
+
+
+EXIT_RIGHT_AFTER_STOP = """
+import sys
+from tests.test_server import Collect, loader
+from mlx_hybrid.server.engine import Engine, Job
+engine = Engine(loader(sys.argv[1], "redrafter"))
+engine.start()
+job = Job(send=Collect(), prompt="Once upon a time", max_tokens=8)
+engine.submit(job)
+assert job.send.done.wait(60)
+engine.stop()
+"""
+
+
+def test_process_exits_cleanly_right_after_the_worker_stops(hybrid_dir):
+    """The worker's thread frees MLX's thread-local streams and compile cache itself: left to its
+    thread-exit destructors, racing the interpreter's finalization, they aborted the process
+    (SIGABRT) in about half of such exits. Five exits here, each must be clean."""
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(5):
+        done = subprocess.run([sys.executable, "-c", EXIT_RIGHT_AFTER_STOP, str(hybrid_dir)], cwd=root, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
 
 
 # The HTTP API.

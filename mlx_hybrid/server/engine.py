@@ -222,6 +222,16 @@ class Engine:
 
     def _run(self):
         try:
+            self._serve()
+        finally:
+            # MLX keeps this thread's streams and compile cache in C++ thread-locals whose
+            # destructors take the GIL; run at thread exit while the interpreter finalizes (Ctrl-C
+            # on `hybrid serve`), they abort the process. Clearing them here, with the GIL held and
+            # the interpreter alive, is MLX's own rule for threads that used it.
+            mx.clear_streams()
+
+    def _serve(self):
+        try:
             self.loaded = self.load()
             model = self.loaded.model
             self.context_limit = context_limit(model)
