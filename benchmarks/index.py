@@ -117,13 +117,20 @@ def load_results(results: Path = RESULTS) -> list[Result]:
     return out
 
 
+# Options that only say where a run wrote its files or kept scratch models: not part of how to
+# reproduce it, and their values are paths of the machine that ran it.
+WHERE_OPTIONS = ("--out", "--results", "--work-dir")
+
+
 def show_command(command: str, drop: str | None = None) -> str:
     """The command as it runs from the checkout's root: a benchmark script as its module
-    (`python -m benchmarks.run`), paths outside the checkout shortened to their last component,
-    and without option `drop` and its value, where a table shows that value itself."""
+    (`python -m benchmarks.run`), without WHERE_OPTIONS, paths outside the checkout shortened to
+    their last component, and without option `drop` and its value, where a table shows that value
+    itself."""
     words = shlex.split(re.sub(r"(?:\S*/)?benchmarks/((?:gpu/)?\w+)\.py", lambda m: "-m benchmarks." + m.group(1).replace("/", "."), command))
-    if drop in words:
-        del words[words.index(drop) : words.index(drop) + 2]
+    for option in (drop, *WHERE_OPTIONS):
+        if option in words:
+            del words[words.index(option) : words.index(option) + 2]
     for i, w in enumerate(words):
         if w.startswith(("/", "~")):
             p = Path(w).expanduser()

@@ -231,7 +231,7 @@ def _kernel_backend(u: mx.array, tree: TreeMask | None) -> str | None:
 
 
 def _finish(cache: StateCache, arrays: list[mx.array], tree: TreeMask | None):
-    """After `ssm_step`: the decode step's window and state, or every node's (a tree)."""
+    """After a fused step (`ssm_step`, `dsla_step`): the decode step's arrays, or every node's (a tree)."""
     if tree is None:
         cache.update(arrays, 1)
     else:
