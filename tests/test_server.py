@@ -177,14 +177,26 @@ def test_speculating_job_rejoins_the_batch_when_another_arrives(hybrid_dir, hybr
 
 
 EXIT_RIGHT_AFTER_STOP = """
-import sys
-from tests.test_server import Collect, loader
-from mlx_hybrid.server.engine import Engine, Job
-engine = Engine(loader(sys.argv[1], "redrafter"))
+import sys, threading
+from mlx_hybrid.loader import load
+from mlx_hybrid.server.engine import Engine, Failed, Finished, Job, Loaded
+from mlx_hybrid.speculative import load_proposer
+
+def load_on_worker():
+    model, tokenizer = load(sys.argv[1])
+    return Loaded(model, tokenizer, load_proposer("redrafter", model, sys.argv[1]))
+
+events, done = [], threading.Event()
+def send(event):
+    events.append(event)
+    if isinstance(event, (Finished, Failed)):
+        done.set()
+
+engine = Engine(load_on_worker)
 engine.start()
-job = Job(send=Collect(), prompt="Once upon a time", max_tokens=8)
-engine.submit(job)
-assert job.send.done.wait(60)
+engine.submit(Job(send=send, prompt="Once upon a time", max_tokens=8))
+assert done.wait(60) and isinstance(events[-1], Finished), events[-1:]
+assert engine.speculated_tokens > 0
 engine.stop()
 """
 
