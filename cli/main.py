@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from mlx_hybrid.cli import on_interrupt
 from mlx_hybrid.errors import HybridError
 
 app = typer.Typer(
@@ -456,10 +457,14 @@ def _warning(message, category, filename, lineno, file=None, line=None):
     err.print(f"warning: {message}", markup=False)
 
 
+def _raise_interrupt():
+    raise KeyboardInterrupt
+
+
 def main():
     """Entry point: runs the app and turns every user error into one line on stderr."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # `run` made it exit quietly while importing
+        signal.signal(signal.SIGINT, on_interrupt(_raise_interrupt))  # `run` made it exit quietly while importing
     command = typer.main.get_command(app)
     try:
         with warnings.catch_warnings():

@@ -402,6 +402,31 @@ def test_ctrl_c_during_start_up_is_quiet(model_dir):
         assert p.returncode == 130 and b"Traceback" not in err, err.decode()[-2000:]
 
 
+
+def test_ctrl_c_inside_a_finalizer_is_not_lost():
+    """A SIGINT that lands in a `__del__` (the garbage collector runs them at any moment) would be
+    printed and dropped there; the CLI's handler delivers it again once the finalizer returned."""
+    from mlx_hybrid.cli import on_interrupt
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):  # the handler runs here, inside __del__
+                pass
+
+    previous = signal.signal(signal.SIGINT, on_interrupt(interrupt))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Finalized()  # freed at once
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
 # ---- convert --force ---------------------------------------------------------------------------
 
 
