@@ -317,18 +317,18 @@ class Bench:
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
-        # importlib: both packages re-export a `generate` function that shadows the module name.
+        # importlib: mlx-lm re-exports a `generate` function that shadows its module's name.
         lm_generate = importlib.import_module("mlx_lm.generate")
-        hy_generate = importlib.import_module("mlx_hybrid.generate")
+        hy_decode = importlib.import_module("mlx_hybrid.decode")
 
         self.mx = mx
-        self.lm, self.hy = lm_generate, hy_generate
+        self.lm, self.hy = lm_generate, hy_decode
         self.prompt = mx.array(prompt_ids, dtype=mx.int32)
         self.gen_tokens = gen_tokens
         self.prefill_step = prefill_step
         self.dtype = dtype
         self.sampler = make_sampler(0.0)  # greedy (argmax), the same callable for both
-        self.streams = [hy_generate.generation_stream, lm_generate.generation_stream]
+        self.streams = [hy_decode.generation_stream, lm_generate.generation_stream]
         self.models: dict[str, object] = {}
         self.weights_bytes: dict[str, int] = {}
         self.compute_dtypes: dict[str, str] = {}
