@@ -35,7 +35,6 @@ from unittest import mock
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from benchmarks.index import render_file  # noqa: E402
 from benchmarks.run import make_synthetic  # noqa: E402

@@ -342,7 +342,6 @@ def test_rejection_sampling_preserves_target_distribution(target, method):
 
 def test_typical_acceptance_rule():
     """Medusa's rule on a hand-made chain: accept while p(candidate) > min(eps, delta exp(-H))."""
-    V = 4
     # Node 0's distribution is confident (low entropy), node 1's is flat.
     probs = np.array([[0.85, 0.05, 0.05, 0.05], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
     logprobs = mx.array(np.log(probs), mx.float32)

@@ -1,7 +1,6 @@
 """Training objectives. Labels are next-token targets aligned with the logits (labels[t] is the
 token after position t), IGNORE where a position has no target (prompt tokens, padding)."""
 
-import torch
 import torch.nn.functional as F
 
 IGNORE = -100
