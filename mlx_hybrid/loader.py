@@ -5,6 +5,7 @@ tensor at fault, so the CLI can print one line instead of a traceback.
 """
 
 import glob
+import logging
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,6 +28,18 @@ from mlx_hybrid.validate import (
 ARCHITECTURES = {"llama": llama, "mistral": llama, "llama_hybrid": hybrid}
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+class _SameTextNotice(logging.Filter):
+    """transformers skips its WordPiece space clean-up on BPE tokenizers whose config asks for it
+    (SmolLM2's, the default model's, does) and says so on stderr in every process: the decoded text
+    is the same either way, so the notice is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Ignoring clean_up_tokenization_spaces=True for BPE")
+
+
+logging.getLogger("transformers.tokenization_utils_tokenizers").addFilter(_SameTextNotice())
 
 
 def read_config_json(path: Path, what: str = "directory") -> dict:

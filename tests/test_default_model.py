@@ -36,3 +36,16 @@ def test_default_model_speculative_greedy_equals_plain_greedy():
     proposer = load_proposer("redrafter", model, PATH)
     drafted = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, speculator=proposer)]
     assert len(plain) == 24 and drafted == plain
+
+
+def test_loading_and_decoding_the_default_model_says_nothing_on_stderr():
+    """A chat's first screen is the model's own: no library notice at load or at the first decode
+    (in a fresh process, where transformers' once-per-process notices would show)."""
+    import subprocess
+    import sys
+
+    code = ("from mlx_hybrid.default_model import default_model_path\nfrom mlx_hybrid.loader import load\n"
+            "model, tokenizer = load(default_model_path())\nprint(tokenizer.decode(tokenizer.encode('Hello , world !')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    assert done.stdout.strip() == "Hello , world !"  # the spaces before punctuation kept (no WordPiece clean-up)
