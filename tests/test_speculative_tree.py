@@ -384,6 +384,23 @@ def test_placed_tree_pass_equals_the_eager_pass(model):
     assert took_compiled_pass(model) == (model.args.sliding_window is None)
 
 
+
+def test_a_model_that_verified_is_freed_with_its_compiled_pass(tmp_path):
+    """The compiled pass's registry holds neither the model nor its pass once the model is gone."""
+    import gc
+    import weakref
+
+    from mlx_hybrid.loader import load
+    from mlx_hybrid.speculative import verify
+
+    model, _ = load(make_hf_model_dir(tmp_path / "m", seed=9))
+    check_placed_against_eager(model, PARENTS, [0, 1, 4, 6])
+    key = next(k for k in verify._COMPILED if k[0] == id(model))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None and key not in verify._COMPILED
+
 def test_chain_pass_then_accept_is_a_trim(model, exact_float32):
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, model.args.vocab_size, 9).tolist()

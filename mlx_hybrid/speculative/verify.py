@@ -20,7 +20,9 @@ from mlx_hybrid.cache import KVCache
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_mask import TreeMask
 
-_COMPILED: dict[tuple, tuple[weakref.ref, object]] = {}  # (id(model), cache kinds) -> (the model, its compiled pass)
+# (id(model), cache kinds) -> its compiled pass. The pass holds the model weakly and the entry
+# leaves with the model: a strong hold here would keep every model that ever verified alive.
+_COMPILED: dict[tuple, object] = {}
 
 
 def verify(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -> tuple[mx.array, mx.array]:
@@ -56,11 +58,11 @@ def _compiled(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -
             c.make_room(n, tree.bound)  # the buffers may grow only out here, not inside the trace
     kinds = tuple(type(c) for c in cache)
     key = (id(model), kinds)
-    if key not in _COMPILED or _COMPILED[key][0]() is not model:
-        _COMPILED[key] = (weakref.ref(model), mx.compile(functools.partial(_pass, model, kinds)))
+    if key not in _COMPILED:  # an id is reused only after its model's entry was popped
+        _COMPILED[key] = mx.compile(functools.partial(_pass, weakref.proxy(model), kinds))
         weakref.finalize(model, _COMPILED.pop, key, None)
     arrays = [a for c in cache for a in c.state]
-    logits, h, *held = _COMPILED[key][1](tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *arrays)
+    logits, h, *held = _COMPILED[key](tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *arrays)
     for c, a, b in zip(cache, held[::2], held[1::2]):
         if isinstance(c, KVCache):
             c.hold(c.buffer_row(tree.pos), a, b)
