@@ -132,8 +132,8 @@ def check_profile(profile: dict, path: Path, model_dir: Path, model=None):
     """What chat and generate read from a profile: the chosen method, one whose files are beside
     the model, and each method's best settings, of the right types and within the model's bounds
     (`mlx_hybrid.limits`): a beam of width 100000 would make every run of the model hang."""
-    from mlx_hybrid.limits import check_beam, check_tree_size
-    from mlx_hybrid.speculative.tree import MedusaTree
+    from mlx_hybrid.limits import check_beam
+    from mlx_hybrid.speculative.medusa import check_choices
 
     best = profile.get("best", {})
     if not isinstance(best, dict) or not all(isinstance(v, dict) for v in best.values()):
@@ -152,18 +152,8 @@ def check_profile(profile: dict, path: Path, model_dir: Path, model=None):
         elif not (isinstance(width, int) and isinstance(length, int) and width >= 1 and length >= 2):
             raise HybridError(f"{path}: beam must be width >= 1 x length >= 2, got {width} x {length}")
     if medusa.get("medusa_choices") is not None:
-        choices = medusa["medusa_choices"]
-        if not isinstance(choices, list):
-            raise HybridError(f"{path}: medusa_choices must be a list of paths")
-        if model is not None:  # before building it: a tree's ancestor mask is nodes x nodes
-            check_tree_size(len(choices) + 1, model, f"{path}")
-        try:
-            tree = MedusaTree(choices)
-        except (ValueError, TypeError, IndexError, OverflowError) as e:
-            raise HybridError(f"{path}: bad medusa_choices ({e})") from None
         heads = read_json_object(model_dir / "medusa" / "config.json").get("medusa_num_heads")
-        if not isinstance(heads, int) or tree.num_heads > heads:
-            raise HybridError(f"{path}: medusa_choices go {tree.num_heads} heads deep, the heads have {heads}")
+        check_choices(medusa["medusa_choices"], heads, model, f"{path}")
 
 
 def chip_preset(device: str) -> tuple[str, int] | None:

@@ -111,6 +111,23 @@ class MedusaHeads(nn.Module):
         return MedusaTree(self.default_tree().paths[:size])
 
 
+def check_choices(choices, num_heads, target: nn.Module | None, where: str) -> MedusaTree:
+    """The tree of `choices` (paths from a heads config or a tuning profile, named by `where`),
+    checked before use: a list, within the model's tree bound (checked before it is built: a
+    tree's ancestor mask is nodes x nodes), well formed, and no deeper than the heads go."""
+    if not isinstance(choices, list):
+        raise HybridError(f"{where}: medusa_choices must be a list of paths")
+    if target is not None:
+        check_tree_size(len(choices) + 1, target, where)
+    try:
+        tree = MedusaTree(choices)
+    except (ValueError, TypeError, IndexError, OverflowError) as e:
+        raise HybridError(f"{where}: bad medusa_choices ({e})") from None
+    if not isinstance(num_heads, int) or tree.num_heads > num_heads:
+        raise HybridError(f"{where}: medusa_choices go {tree.num_heads} heads deep, the heads have {num_heads}")
+    return tree
+
+
 def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -> MedusaHeads:
     path = Path(path)
     config = read_config(path, "medusa", ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"))
@@ -119,15 +136,7 @@ def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -
     check_blocks(path, config["medusa_num_layers"] + 1, "medusa_head.0.", "medusa_num_layers + 1 (ResBlocks and the LM head)")
     heads = MedusaHeads(MedusaConfig.from_dict(config))
     if heads.config.medusa_choices:
-        if not isinstance(heads.config.medusa_choices, list):
-            raise HybridError(f"{path / 'config.json'}: medusa_choices must be a list of paths")
-        check_tree_size(len(heads.config.medusa_choices) + 1, target, f"{path / 'config.json'} medusa_choices")
-        try:
-            tree = MedusaTree(heads.config.medusa_choices)
-        except (ValueError, TypeError) as e:
-            raise HybridError(f"{path / 'config.json'}: bad medusa_choices ({e})") from None
-        if tree.num_heads > heads.config.medusa_num_heads:
-            raise HybridError(f"{path / 'config.json'}: medusa_choices go {tree.num_heads} heads deep, there are fewer")
+        check_choices(heads.config.medusa_choices, heads.config.medusa_num_heads, target, f"{path / 'config.json'}")
     load_into(heads, path, config, target, dtype)
     heads.fuse()
     return heads
