@@ -104,17 +104,18 @@ def date_of(path: Path, data: dict) -> str:
     return out or date.fromtimestamp(path.stat().st_mtime).isoformat()
 
 
+def load_result(path: Path) -> Result:
+    kind = kind_of(path.stem)
+    if kind is None:
+        raise SystemExit(f"error: {path.name} matches no benchmark prefix ({', '.join(KINDS)})")
+    data = json.loads(path.read_text())
+    rest = path.stem[len(kind) + 1 :]
+    model = re.sub(r"-?\b(nvidia|cpu|amd|apple)\b.*$", "", rest)
+    return Result(path, data, kind, model, device_of(data, path.stem), date_of(path, data))
+
+
 def load_results(results: Path = RESULTS) -> list[Result]:
-    out = []
-    for path in sorted(results.glob("*.json")):
-        kind = kind_of(path.stem)
-        if kind is None:
-            raise SystemExit(f"error: {path.name} matches no benchmark prefix ({', '.join(KINDS)})")
-        data = json.loads(path.read_text())
-        rest = path.stem[len(kind) + 1 :]
-        model = re.sub(r"-?\b(nvidia|cpu|amd|apple)\b.*$", "", rest)
-        out.append(Result(path, data, kind, model, device_of(data, path.stem), date_of(path, data)))
-    return out
+    return [load_result(path) for path in sorted(results.glob("*.json"))]
 
 
 # Options that only say where a run wrote its files or kept scratch models: not part of how to
@@ -423,7 +424,7 @@ def render(name: str, results: list[Result]) -> str:
 
 def render_file(path: Path) -> str:
     """The table one result file gets in the README (what a benchmark prints when it has written it)."""
-    r = next(r for r in load_results(path.parent) if r.path == path)
+    r = load_result(path)
     return next(fn([r]) for kinds, fn in TABLES.values() if kinds and r.kind in kinds)
 
 

@@ -28,3 +28,14 @@ def test_commands_show_outside_paths_by_their_last_component():
     assert show_command(cmd, drop="--note") == "python -m benchmarks.run --model SmolLM2 --label 'NVIDIA H100, MLX CUDA backend'"
     inside = str(ROOT / "benchmarks" / "chat_prompts.txt")
     assert show_command(f"python x.py {inside}") == "python x.py benchmarks/chat_prompts.txt"
+
+
+def test_a_benchmark_prints_its_table_from_any_folder(tmp_path):
+    """What a benchmark prints after writing its result reads that file alone: another JSON beside
+    it in an --out folder (not a result of ours) is no concern of it."""
+    from benchmarks.index import render_file
+
+    name = "serve-steps-embedded-default-cpu-linux-x86-64-2-cores.json"
+    (tmp_path / name).write_text((ROOT / "benchmarks" / "results" / name).read_text())
+    (tmp_path / "notes.json").write_text("{}")
+    assert render_file(tmp_path / name).startswith("#### embedded default, CPU (Linux x86_64, 2 cores)")
