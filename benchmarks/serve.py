@@ -43,7 +43,7 @@ from pathlib import Path
 from statistics import mean, median
 
 BENCH_DIR = Path(__file__).resolve().parent
-from benchmarks.run import device_description, slugify
+from benchmarks.run import device_description, median_eval_ms, slugify
 
 MODEL_ID = "bench"
 
@@ -242,13 +242,8 @@ def step_costs(model_arg: str | None, widths: list[int], context: int = 64, step
             prefill(model, mx.array([(7 * row + i) % 1000 + 3 for i in range(context)]), cache)
             batch.add(cache)
         tokens = mx.array([5] * width)[:, None]
-        times = []
-        for i in range(steps + 2):  # two warm-up steps
-            tic = time.perf_counter()
-            mx.eval(model(tokens, batch.caches))
-            times.append(time.perf_counter() - tic)
-        step = median(times[2:])
-        out.append({"rows": width, "step_ms": step * 1e3, "tokens_per_s": width / step})
+        step_ms = median_eval_ms(lambda: model(tokens, batch.caches), steps, warm=2)
+        out.append({"rows": width, "step_ms": step_ms, "tokens_per_s": width / (step_ms / 1e3)})
     return out
 
 
