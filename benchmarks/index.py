@@ -379,8 +379,9 @@ def serve_tables(results: list[Result]) -> str:
             lines += ["", f"A client that closed a {c['max_tokens']}-token stream after 3 chunks: {c['generated_before_stop']} tokens "
                       f"generated, the server idle {c['stopped_after_s']:.2f} s after the close.", "",
                       "| requests in a row | MLX active (MB) | prompt cache (MB) | resident set (MB) |", "| ---: | ---: | ---: | ---: |"]
-            lines += [f"| {x['requests']} | {x['mlx_active'] / 1e6:.1f} | {x['prompt_cache_bytes'] / 1e6:.1f} | {x['rss'] / 1e6:.0f} |"
-                      for x in d["in_a_row"]]
+            for x in d["in_a_row"]:
+                rss = f"{x['rss'] / 1e6:.0f}" if x["rss"] else "-"  # None where the OS does not tell it
+                lines.append(f"| {x['requests']} | {x['mlx_active'] / 1e6:.1f} | {x['prompt_cache_bytes'] / 1e6:.1f} | {rss} |")
         out.append("\n".join(lines))
     return "\n\n".join(out)
 

@@ -40,9 +40,10 @@ import threading
 import time
 from datetime import date
 from pathlib import Path
-from statistics import mean, median
+from statistics import median
 
 BENCH_DIR = Path(__file__).resolve().parent
+from benchmarks.index import render_file
 from benchmarks.run import device_description, median_eval_ms, slugify
 
 MODEL_ID = "bench"
@@ -315,49 +316,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     slug = f"serve{'' if args.parts == 'serve' else '-' + args.parts}-{slugify(result['model'])}-{slugify(label)}"
     (args.out / f"{slug}.json").write_text(json.dumps(result, indent=1))
-    print({"serve": table, "steps": steps_table, "robustness": robustness_table}[args.parts](result))
+    print(render_file(args.out / f"{slug}.json"))
     print(f"\nwrote {args.out / (slug + '.json')}")
     return 0
-
-
-def steps_table(r: dict) -> str:
-    lines = [f"Batched decode step, {r['model']}, {r['label']}, {r['date']}", "", "| rows | step (ms) | tokens/s |", "| ---: | ---: | ---: |"]
-    lines += [f"| {s['rows']} | {s['step_ms']:.1f} | {s['tokens_per_s']:.1f} |" for s in r["steps"]]
-    return "\n".join(lines)
-
-
-def robustness_table(r: dict) -> str:
-    lines = [f"Robustness, {r['model']}, {r['label']}, {r['date']}", "", "| bad request | status | code | param | served after |", "| --- | ---: | --- | --- | --- |"]
-    lines += [f"| {b['what']} | {b['status']} | {b['code'] or ''} | {b['param'] or ''} | {'yes' if b['served_after'] else 'no'} |" for b in r["bad_requests"]]
-    d = r["disconnect"]
-    lines += ["", f"Disconnect after 3 chunks of a {d['max_tokens']}-token stream: the server generated {d['generated_before_stop']} tokens "
-              f"and was idle {d['stopped_after_s']:.2f} s after the client closed.", "",
-              "| requests in a row | MLX active (MB) | prompt cache (MB, bound) | resident set (MB) |", "| ---: | ---: | ---: | ---: |"]
-    for s in r["in_a_row"]:
-        rss = f"{s['rss'] / 1e6:.0f}" if s["rss"] else "-"
-        lines.append(f"| {s['requests']} | {s['mlx_active'] / 1e6:.1f} | {s['prompt_cache_bytes'] / 1e6:.1f} ({s['prompt_cache_max'] / 1e6:.0f}) | {rss} |")
-    return "\n".join(lines)
-
-
-def table(r: dict) -> str:
-    lines = [f"hybrid serve, {r['model']}, {r['label']}, {r['date']}", "",
-             f"Growing {r['turns']}-turn chat, {r['reply_tokens']}-token greedy replies: time to first token",
-             "", "| turn | prompt tokens | from cache | TTFT, cache (ms) | TTFT, no cache (ms) |", "| ---: | ---: | ---: | ---: | ---: |"]
-    for i, (a, b) in enumerate(zip(r["chat_with_cache"], r["chat_without_cache"]), 1):
-        lines.append(f"| {i} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} |")
-    later = slice(1, None)
-    with_cache = mean(t["ttft"] for t in r["chat_with_cache"][later]) * 1e3
-    without = mean(t["ttft"] for t in r["chat_without_cache"][later]) * 1e3
-    lines += [f"| turns 2-{r['turns']}, mean | | | {with_cache:.0f} | {without:.0f} |", "",
-              f"same replies with and without the cache: {'yes' if r['same_replies'] else 'no'}", "",
-              f"Concurrent clients, {r['requests']} requests of {r['max_tokens']} tokens per level", "",
-              "| server | clients | requests/s | tokens/s | latency p50 (s) | latency p95 (s) | TTFT p50 (s) | TTFT p95 (s) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, key in (("continuous batching", "batching"), ("queue (--max-batch 1)", "queue")):
-        for lv in r[key]:
-            lines.append(f"| {name} | {lv['clients']} | {lv['requests_per_s']:.2f} | {lv['tokens_per_s']:.1f} | {lv['latency_p50']:.2f} | "
-                         f"{lv['latency_p95']:.2f} | {lv['ttft_p50']:.2f} | {lv['ttft_p95']:.2f} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
