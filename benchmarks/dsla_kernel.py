@@ -30,7 +30,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 
+from benchmarks.index import render_file
 from benchmarks.run import SYNTHETIC, device_description, median_eval_ms, slugify
 from mlx_hybrid.cache import StateCache
 from mlx_hybrid.convert.dsla_serve import FORM
@@ -67,13 +69,16 @@ def model_args(shape: str, form: str, convertible: bool) -> hybrid.ModelArgs:
     return hybrid.ModelArgs(model_type="llama_hybrid", mixer_types=["attention"] * n, dsla_conversion=conversion, **config, **form_args)
 
 
+def in_bfloat16(module):
+    """module in bfloat16 but for the parameters the loader keeps in float32 (`hybrid.FP32_PARAMS`)."""
+    module.set_dtype(mx.bfloat16)
+    keep = [(k, v.astype(mx.float32)) for k, v in tree_flatten(module.parameters()) if k.rpartition(".")[2] in hybrid.FP32_PARAMS]
+    return module.update(tree_unflatten(keep))
+
+
 def layer_times(shape: str, form: str, reps: int) -> dict:
     args = model_args(shape, form, False)
-    layer = hybrid.DSLA(args)
-    layer.set_dtype(mx.bfloat16)
-    for name in ("gamma", "alpha_list"):  # float32 whatever the model dtype, as the loader keeps them
-        if name in layer:
-            layer[name] = layer[name].astype(mx.float32)
+    layer = in_bfloat16(hybrid.DSLA(args))
     mx.random.seed(0)
     hidden = args.hidden_size
     cache = StateCache()
@@ -116,12 +121,7 @@ def decode_rate(model, k: int, prompt: mx.array, tokens: int) -> float:
 
 
 def adaptive_rates(shape: str, form: str, prompt_tokens: int, tokens: int, trials: int) -> list[dict]:
-    model = hybrid.Model(model_args(shape, form, True))
-    model.set_dtype(mx.bfloat16)
-    for layer in model.layers:
-        for name in ("gamma", "alpha_list"):
-            if "dsla" in layer and name in layer.dsla:
-                layer.dsla[name] = layer.dsla[name].astype(mx.float32)
+    model = in_bfloat16(hybrid.Model(model_args(shape, form, True)))
     mx.eval(model.parameters())
     prompt = mx.random.randint(0, model.args.vocab_size, (prompt_tokens,))
     n = len(model.layers)
@@ -160,15 +160,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     out = a.out / f"dsla-kernel-{slugify(device['default_label'])}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{device['default_label']}, {a.shape} shape, bfloat16 ({result['date']})\n")
-    print("| form | DSLA layer call | kernel (us) | unfused (us) | speedup |\n| --- | --- | ---: | ---: | ---: |")
-    for form, rows in result["layer"].items():
-        for name, r in rows.items():
-            print(f"| {form} | {name} | {r['kernel_us']} | {r['unfused_us']} | {r['speedup']}x |")
-    print("\n| form | converted | kernel (tok/s) | unfused (tok/s) | speedup |\n| --- | ---: | ---: | ---: | ---: |")
-    for form, rows in result["adaptive"].items():
-        for r in rows:
-            print(f"| {form} | {r['rate']:.0%} ({r['dsla_layers']} layers) | {r['kernel_tok_s']} | {r['unfused_tok_s']} | {r['speedup']}x |")
+    print(render_file(out))
     print(f"\nwrote {out}")
     return 0
 
