@@ -23,6 +23,7 @@ from mlx_hybrid import dsla_step, kernels, scan, tree_attention
 from mlx_hybrid.models import linear
 from mlx_hybrid.rope import rope_frequencies
 from mlx_hybrid.speculative import accept, topk, tree
+from mlx_hybrid.tree_mask import tree_depths
 
 
 @dataclass
@@ -158,10 +159,7 @@ def _numpy_rope(a, positions, freqs):
 def _attention_case(rng) -> Case:
     H, KV, D, prefix, parents = 4, 2, 32, 5, [-1, 0, 0, 1, 3, -1]
     T, R = len(parents), H // KV
-    depths = [0] * T
-    for t, p in enumerate(parents):
-        depths[t] = 0 if p < 0 else depths[p] + 1
-    positions = np.array(depths, np.int32) + prefix
+    positions = tree_depths(parents) + prefix
     freqs = np.array(rope_frequencies(D, 10000.0, None))
     arrays, (q, k, v, tk, tv) = _f32(rng.standard_normal((1, H, T, D)), rng.standard_normal((1, KV, prefix + 3, D)),
                                      rng.standard_normal((1, KV, prefix + 3, D)), rng.standard_normal((1, KV, T, D)),
