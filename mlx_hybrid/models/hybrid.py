@@ -484,11 +484,10 @@ class DSLA(nn.Module):
 
     def __call__(self, u: mx.array, mask: TreeMask | None = None, cache: StateCache = None, norm=None, residual=None) -> mx.array:
         """As `Mamba.__call__`."""
-        tree = mask
         s1, s2 = cache.arrays or [mx.zeros((_batched(u).shape[0], self.n_heads, self.head_dim, self.head_dim))] * 2
-        if backend := _kernel_backend(u, tree):
-            y, s1, s2 = self.kernel_step(u, s1, s2, _parents(tree), backend, norm, residual)
-            _finish(cache, [s1, s2], tree)
+        if backend := _kernel_backend(u, mask):
+            y, s1, s2 = self.kernel_step(u, s1, s2, _parents(mask), backend, norm, residual)
+            _finish(cache, [s1, s2], mask)
             return y
         shape, u = u.shape, _batched(u if norm is None else norm(u))
         B, L, _ = u.shape
@@ -498,8 +497,8 @@ class DSLA(nn.Module):
         k, v = mx.repeat(k, r, axis=1), mx.repeat(v, r, axis=1)
         q = q * self.scale
         g1, g2 = (self.log_gate(a) for a in self.gate_logits(u))
-        if tree is not None:
-            visible = tree.visible()
+        if mask is not None:
+            visible = mask.visible()
             (o1, after1), (o2, after2) = (gated_linear_attention_tree(q, k, v, g, s, visible) for g, s in ((g1, s1), (g2, s2)))
             cache.hold(lambda node: [after1(node), after2(node)])
         else:
