@@ -55,10 +55,10 @@ def refuse_remote_code(path: Path):
         if not file.is_file():
             continue
         try:
-            config = json.loads(file.read_bytes().decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError):
-            continue  # not JSON: transformers cannot read an auto_map from it either
-        if isinstance(config, dict) and config.get("auto_map"):
+            config = read_json_object(file)
+        except HybridError:
+            continue  # not a JSON object: transformers cannot read an auto_map from it either
+        if config.get("auto_map"):
             raise HybridError(
                 f"{file} names Python code to run (auto_map: {', '.join(sorted(config['auto_map']))}); "
                 "mlx-hybrid never runs code from a model folder"
