@@ -20,7 +20,7 @@ from mlx_hybrid.errors import HybridError
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 DRAFTER_FILES = ("model.safetensors", "pytorch_model.bin")
 DRAFTER_FIELDS = ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "num_lookback_tokens", "rnn",
-                  "beam_width", "beam_length")
+                  "tied_lm_head", "beam_width", "beam_length")
 
 
 def _config(path: Path) -> dict:
@@ -74,7 +74,8 @@ def redrafter_plan(path: str | Path, target: dict) -> tuple[Path, dict, dict]:
         shapes.update({"input_proj.weight": (E, 2 * H), "input_proj.bias": (E,)})
     for j in range(n):
         shapes.update({f"lm_head.{j}.linear.weight": (E, E), f"lm_head.{j}.linear.bias": (E,)})
-    shapes[f"lm_head.{n}.weight"] = (V, E)
+    if not config.get("tied_lm_head"):
+        shapes[f"lm_head.{n}.weight"] = (V, E)
     if config.get("rnn"):
         shapes.update({"rnn_w.weight": (H, H), "rnn_u.weight": (H, H), "rnn_u.bias": (H,)})
     out = {"model_type": "recurrent_drafting_drafter", **{k: config[k] for k in DRAFTER_FIELDS if k in config}}

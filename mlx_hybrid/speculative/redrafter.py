@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_hybrid.errors import HybridError
 from mlx_hybrid.limits import check_beam
 from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.sampling import SamplingParams
@@ -38,6 +39,7 @@ class DrafterConfig:
     exit_dim: int
     num_draft_layers: int
     rnn: bool
+    tied_lm_head: bool = False  # the target's LM head after the ResBlocks, none of its own
     beam_width: int = 4
     beam_length: int = 4
 
@@ -47,15 +49,17 @@ class DrafterConfig:
 
 
 class Drafter(nn.Module):
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterConfig, target_head=None):
+        """target_head: the target's hidden-to-logits function, which a `tied_lm_head` drafter ends
+        with (a plain attribute, not a parameter: the weights stay the target's)."""
         super().__init__()
         self.config = config
         H, E = config.hidden_size, config.exit_dim
         if E != 2 * H:
             self.input_proj = Linear(2 * H, E)
-        self.lm_head = [ResBlock(E) for _ in range(config.num_draft_layers)] + [
-            Linear(E, config.vocab_size, bias=False)  # the beams as rows: one read of the weight (linear.py)
-        ]
+        own_head = [] if config.tied_lm_head else [Linear(E, config.vocab_size, bias=False)]  # the beams as rows: one read of the weight (linear.py)
+        self.lm_head = [ResBlock(E) for _ in range(config.num_draft_layers)] + own_head
+        self.target_head = target_head
         if config.rnn:
             self.rnn_u = Linear(H, H, bias=True)
             self.rnn_w = Linear(H, H, bias=False)
@@ -75,6 +79,8 @@ class Drafter(nn.Module):
             x = self.input_proj(x)
         for layer in self.lm_head:
             x = layer(x)
+        if self.config.tied_lm_head:
+            x = self.target_head(x)
         return x.reshape(*state.shape[:-1], -1)
 
     def beam_search(self, h: mx.array, roots: mx.array, embed: nn.Embedding, width: int, length: int) -> list[mx.array]:
@@ -120,8 +126,16 @@ def load_redrafter(path: str | Path, target: nn.Module, dtype: str | None = None
     path = Path(path)
     config = read_config(path, "recurrent_drafting_drafter", ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn"))
     check_target(path, config, target)
-    check_blocks(path, config["num_draft_layers"] + 1, "lm_head.", "num_draft_layers + 1 (ResBlocks and the LM head)")
-    drafter = Drafter(DrafterConfig.from_dict(config))
+    tied = config.get("tied_lm_head", False)
+    if not isinstance(tied, bool):
+        raise HybridError(f"{path / 'config.json'}: 'tied_lm_head' must be true or false, got {tied!r}")
+    if tied and config["exit_dim"] != config["hidden_size"]:
+        raise HybridError(f"{path / 'config.json'}: a drafter with tied_lm_head needs exit_dim = hidden_size ({config['hidden_size']})")
+    if tied:
+        check_blocks(path, config["num_draft_layers"], "lm_head.", "num_draft_layers (ResBlocks; the LM head is the target's)")
+    else:
+        check_blocks(path, config["num_draft_layers"] + 1, "lm_head.", "num_draft_layers + 1 (ResBlocks and the LM head)")
+    drafter = Drafter(DrafterConfig.from_dict(config), target._logits if tied else None)
     return load_into(drafter, path, config, target, dtype)
 
 
@@ -146,7 +160,8 @@ class ReDrafterProposer:
         # Search and packing have one shape per beam size, so they compile once: each pass then
         # replays the graph without Python and with its elementwise ops fused, which counts on a
         # GPU, where a draft is ~100 small kernels. The weights are inputs, not constants.
-        self._search = mx.compile(self._search_and_pack, inputs=[drafter.state, self.embed.state])
+        head = [target.lm_head.state] if drafter.config.tied_lm_head and "lm_head" in target else []
+        self._search = mx.compile(self._search_and_pack, inputs=[drafter.state, self.embed.state] + head)
 
     def draft(self, root: mx.array, hidden: mx.array) -> Draft:
         """Greedy: the packed beam of a beam search from root (1,) and hidden (H,), on the device."""

@@ -67,6 +67,7 @@ class ReDrafterConfig(TrainConfig):
     exit_dim: int | None = None  # default 2 * hidden (no input_proj)
     num_draft_layers: int = 2
     rnn: bool = True
+    tied_lm_head: bool = False  # the base's LM head, not one of its own (heads.Drafter)
     beam_width: int = 4  # the runtime's default beam, written to config.json
     lr: float = 1e-3
 
@@ -206,7 +207,7 @@ def redrafter(cfg: ReDrafterConfig, resume: bool = False):
     embed = base.get_input_embeddings()
     examples = examples_from(cfg.data, cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    drafter = Drafter.for_base(base, cfg.exit_dim, cfg.num_draft_layers, cfg.rnn)
+    drafter = Drafter.for_base(base, cfg.exit_dim, cfg.num_draft_layers, cfg.rnn, cfg.tied_lm_head)
 
     def loss_fn(model, batch):
         ids, labels = batch["input_ids"], batch["labels"]

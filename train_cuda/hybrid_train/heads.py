@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybrid_train import data
+from hybrid_train.errors import TrainError
 from hybrid_train.losses import IGNORE
 from hybrid_train.model import load_hybrid
 from hybrid_train.teacher import load_teacher
@@ -119,27 +120,43 @@ class MedusaLM(nn.Module):
 
 
 class Drafter(nn.Module):
-    """ReDrafter's recurrent drafter (ml-recurrent-drafter's `Drafter` layout)."""
+    """ReDrafter's recurrent drafter (ml-recurrent-drafter's `Drafter` layout).
 
-    def __init__(self, hidden: int, vocab: int, exit_dim: int | None = None, num_draft_layers: int = 2, rnn: bool = True):
+    tied_lm_head: the last ResBlock's output goes through the base's own (frozen) LM head instead of
+    a vocabulary-sized layer of the drafter's own, so the drafter is ~2 M parameters instead of
+    vocab x exit_dim more (57 M for SmolLM2's 49152 tokens): small enough to ship as package data.
+    Then exit_dim is the hidden size and input_proj starts as [I, 0] (the drafter first guesses the
+    base's own next token from h, like Medusa's copied heads)."""
+
+    def __init__(self, hidden: int, vocab: int, exit_dim: int | None = None, num_draft_layers: int = 2, rnn: bool = True,
+                 tied_lm_head: bool = False):
         super().__init__()
-        self.hidden, self.vocab, self.rnn = hidden, vocab, rnn
-        self.exit_dim = exit_dim or 2 * hidden
+        self.hidden, self.vocab, self.rnn, self.tied_lm_head = hidden, vocab, rnn, tied_lm_head
+        self.exit_dim = hidden if tied_lm_head else exit_dim or 2 * hidden
+        if tied_lm_head and exit_dim not in (None, hidden):
+            raise TrainError(f"a drafter with tied_lm_head has exit_dim = hidden ({hidden}), not {exit_dim}")
         if self.exit_dim != 2 * hidden:
             self.input_proj = nn.Linear(2 * hidden, self.exit_dim)
-        self.lm_head = nn.Sequential(*[ResBlock(self.exit_dim) for _ in range(num_draft_layers)],
-                                     nn.Linear(self.exit_dim, vocab, bias=False))
+        own_head = [] if tied_lm_head else [nn.Linear(self.exit_dim, vocab, bias=False)]
+        self.lm_head = nn.Sequential(*[ResBlock(self.exit_dim) for _ in range(num_draft_layers)], *own_head)
+        self.__dict__["base_head"] = None  # the base's LM head when tied: not a parameter of the drafter
         if rnn:
             self.rnn_u = nn.Linear(hidden, hidden, bias=True)
             self.rnn_w = nn.Linear(hidden, hidden, bias=False)
 
     @classmethod
-    def for_base(cls, base, exit_dim: int | None = None, num_draft_layers: int = 2, rnn: bool = True) -> "Drafter":
+    def for_base(cls, base, exit_dim: int | None = None, num_draft_layers: int = 2, rnn: bool = True,
+                 tied_lm_head: bool = False) -> "Drafter":
         """Without input_proj, the LM head starts as [base lm_head, 0]: at first the drafter guesses
         from h alone, like Medusa's copied heads; the state's half then learns from zero."""
-        d = cls(base.config.hidden_size, base.config.vocab_size, exit_dim, num_draft_layers, rnn)
-        if d.exit_dim == 2 * d.hidden:
-            with torch.no_grad():
+        d = cls(base.config.hidden_size, base.config.vocab_size, exit_dim, num_draft_layers, rnn, tied_lm_head)
+        with torch.no_grad():
+            if tied_lm_head:
+                d.__dict__["base_head"] = base.lm_head
+                d.input_proj.weight.zero_()
+                d.input_proj.weight[:, : d.hidden].copy_(torch.eye(d.hidden))
+                d.input_proj.bias.zero_()
+            elif d.exit_dim == 2 * d.hidden:
                 d.lm_head[-1].weight.zero_()
                 d.lm_head[-1].weight[:, : d.hidden].copy_(base.lm_head.weight)
         return d
@@ -153,7 +170,8 @@ class Drafter(nn.Module):
         x = torch.cat([h, state], dim=-1)
         if hasattr(self, "input_proj"):
             x = self.input_proj(x)
-        return self.lm_head(x)
+        x = self.lm_head(x)
+        return self.base_head(x) if self.tied_lm_head else x
 
     def forward(self, h: torch.Tensor, embeddings: torch.Tensor, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Teacher-forced unroll over every position at once: step j's logits at the positions
@@ -169,8 +187,8 @@ class Drafter(nn.Module):
 
     def config(self, beam_width: int = 4, beam_length: int = 4) -> dict:
         return {"model_type": "recurrent_drafting_drafter", "hidden_size": self.hidden, "vocab_size": self.vocab,
-                "exit_dim": self.exit_dim, "num_draft_layers": len(self.lm_head) - 1, "rnn": self.rnn,
-                "beam_width": beam_width, "beam_length": beam_length}
+                "exit_dim": self.exit_dim, "num_draft_layers": len(self.lm_head) - (not self.tied_lm_head), "rnn": self.rnn,
+                "beam_width": beam_width, "beam_length": beam_length, **({"tied_lm_head": True} if self.tied_lm_head else {})}
 
 
 def save_heads(module: nn.Module, config: dict, path: Path):

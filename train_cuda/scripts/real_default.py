@@ -1,11 +1,13 @@
-"""The default-model run: a small 50% Mamba2 hybrid of the teacher, with its ReDrafter drafter, sized
-for the 25 MB of package data of `hybrid chat`'s embedded default at 4 bits.
+"""The default-model run: a full-size 50% Mamba2 hybrid of the teacher whose embeddings, MLPs and
+attention layers stay the teacher's (frozen), with a ReDrafter drafter on the teacher's LM head:
+`hybrid chat`'s embedded default, of which only the trained parts ship (docs/models.md).
 
     python train_cuda/scripts/real_default.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--settings YAML] [--tiny] [--resume]
-    hybrid convert OUT/student/model DST --dtype float16 -q --bits 4 --group-size 64 --redrafter OUT/redrafter/redrafter
+    python -m mlx_hybrid.convert.default_model OUT/student/model OUT/redrafter/redrafter mlx_hybrid/data/default --teacher TEACHER.gguf
 
 With `--settings configs/real_hybrid_target.yaml` the same stages make the speed benchmark's hybrid
-target instead: a full-size 50% Mamba2 hybrid of the teacher (no `layers`, no `vocab_size`) with its drafter.
+target instead (MLPs frozen only, its own drafter LM head); a settings file may also shrink the
+student (`layers`, `vocab_size`: hybrid_train/shrink.py).
 
 TEACHER: a Hugging Face Llama/Mistral directory or a .gguf file (converted once into OUT/teacher;
 needs the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a
@@ -15,8 +17,8 @@ line (scripts/fetch_corpus.py). Stages (settings: configs/real_default.yaml; --t
 2. questions: the teacher writes user turns itself (Magpie: its chat template up to the user's
    turn, sampled), deduplicated, the speed benchmark's (benchmarks/chat_prompts.txt) dropped;
    chat: the teacher answers them (sampled);
-3. student: `distill` into a smaller student (`layers`, `vocab_size`: hybrid_train/shrink.py) with
-   every 2nd layer Mamba2, on the news, chat and train.txt text, KL to the teacher on every label;
+3. student: `distill` into the student with every 2nd layer Mamba2 (the settings' `freeze` parts kept
+   the teacher's), on the news, chat and train.txt text, KL to the teacher on every label;
 4. drafter-labels: the student's own greedy continuations of windows of its training sequences
    (chat turns and news, the first `context` tokens); redrafter: the drafter distilled from the
    student along them, top-1 per step on continuations of other windows and of heldout.txt;
@@ -45,11 +47,9 @@ TINY = {  # sizes for the CPU test of this script
     "news": {"max_prompts": 8},
     "questions": {"count": 8, "heldout": 2, "max_new_tokens": 12, "batch_size": 4, "ended_only": False, "min_chars": 1},
     "pseudo-labels": {"max_new_tokens": 12, "batch_size": 4},
-    "student": {"layers": [0, 1, 3], "vocab_size": 280, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1,
-                "save_every": 2},
+    "student": {"steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "drafter-labels": {"prompts": 6, "heldout": 4, "context": 8, "max_new_tokens": 8, "batch_size": 4},
-    "redrafter": {"draft_steps": 2, "exit_dim": 64, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1,
-                  "save_every": 2},
+    "redrafter": {"draft_steps": 2, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "perplexity": {"seq_len": 32, "max_blocks": 4},
 }
 

@@ -232,18 +232,22 @@ def test_medusa_export_in_the_mlx_runtime(tmp_path, teacher_dir, greedy):
     assert ours["base_top1"] == 1.0  # MLX's greedy continuation is torch's
 
 
-@pytest.mark.parametrize("exit_dim,rnn", [(None, True), (96, True), (None, False)])
-def test_redrafter_export_in_the_mlx_runtime(tmp_path, teacher_dir, exit_dim, rnn):
+@pytest.mark.parametrize("exit_dim,rnn,tied", [(None, True, False), (96, True, False), (None, False, False), (None, True, True)])
+def test_redrafter_export_in_the_mlx_runtime(tmp_path, teacher_dir, exit_dim, rnn, tied):
+    """tied: the drafter ends with the base's LM head, which it neither trains nor saves."""
     from mlx_hybrid.speculative.redrafter import load_redrafter
 
     base = load_teacher(teacher_dir)
-    drafter = perturb(Drafter.for_base(base, exit_dim=exit_dim, num_draft_layers=2, rnn=rnn))
+    drafter = perturb(Drafter.for_base(base, exit_dim=exit_dim, num_draft_layers=2, rnn=rnn, tied_lm_head=tied))
     save_heads(drafter, drafter.config(beam_width=2, beam_length=4), tmp_path / "redrafter")
     config = json.loads((tmp_path / "redrafter" / "config.json").read_text())
-    assert ("input_proj.weight" in load_file(tmp_path / "redrafter" / "model.safetensors")) == (exit_dim is not None)
+    saved = load_file(tmp_path / "redrafter" / "model.safetensors")
+    assert ("input_proj.weight" in saved) == (exit_dim is not None or tied)
+    assert ("lm_head.2.weight" in saved) == (not tied) and config.get("tied_lm_head", False) == tied
     target = _mlx_target(teacher_dir)
     loaded = load_redrafter(tmp_path / "redrafter", target, dtype="float32")
-    assert (loaded.config.beam_width, loaded.config.beam_length) == (2, 4) and config["exit_dim"] == (exit_dim or 128)
+    H = base.config.hidden_size
+    assert (loaded.config.beam_width, loaded.config.beam_length) == (2, 4) and config["exit_dim"] == (H if tied else exit_dim or 2 * H)
 
     ids = torch.tensor([load_tokenizer(teacher_dir)(SENTENCES[1]).input_ids])
     L, T = ids.shape[1], 3
