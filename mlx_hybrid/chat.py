@@ -15,9 +15,10 @@ before the reply: the end of each prefill chunk, up to the prompt but its last t
 re-rendered reply may start to differ). A turn that must go back before the cache's end (the
 re-rendered reply differs from the tokens generated, or an interrupt left the layers at different
 offsets) trims where every layer can, else restores that snapshot and reads again only the
-tokens after it, i.e. the last reply. The history is read again only when neither reaches: a DSLA
-conversion change, a sliding window that dropped the keys, an edit of earlier messages; such a
-turn reports it through `on_reread`.
+tokens after it: the prompt's last token and the last reply. The history is read again only when
+neither reaches: a DSLA conversion change, a sliding window that dropped the keys, an edit of
+earlier messages (`messages` may be replaced between turns); such a turn reports it through
+`on_reread`.
 """
 
 from itertools import chain
