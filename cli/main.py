@@ -125,6 +125,31 @@ def _conversion(dsla_layers: list, layers: int, cache: str) -> str:
     return f" | DSLA {n}/{layers} layers ({n / layers:.0%}) | KV {cache}"
 
 
+class _RereadBar:
+    """`ChatSession.on_reread` in the terminal: a line, then a progress bar on stderr while a turn
+    reads the conversation again, so a long pause before the reply says why."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done: int, total: int):
+        from rich.progress import Progress
+
+        if self.bar is None:
+            err.print(f"[dim]re-reading the conversation ({total} tokens)[/]")
+            self.bar = Progress(console=err, transient=True)
+            self.task = self.bar.add_task("re-reading", total=total)
+            self.bar.start()
+        self.bar.update(self.task, completed=done)
+        if done == total:
+            self.close()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
 @app.command()
 def chat(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
@@ -153,7 +178,8 @@ def chat(
     budget = None if memory_budget is None else parse_budget(memory_budget)
     loaded, tokenizer, model = _load(model)
     proposer = _proposer(speculative, loaded, tokenizer, model, heads, draft_model, num_draft)
-    session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, speculator=proposer)
+    rereading = _RereadBar()
+    session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, speculator=proposer, on_reread=rereading)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -199,6 +225,7 @@ def chat(
                     out.print(r.text, end="", markup=False)
             finally:
                 replies.close()
+                rereading.close()
         except KeyboardInterrupt:
             out.print("[dim] \\[stopped][/]", end="")
             if quits():

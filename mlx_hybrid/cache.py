@@ -236,7 +236,8 @@ class KVCache(Cache):
     def restore(self, snap: int):
         """Back to the offset of `snapshot`: rows before it are never overwritten, so a trim,
         unless a sliding window has dropped what it needs."""
-        if self.trim(self.offset - snap) != self.offset - snap:
+        n = self.offset - snap
+        if self.trim(n) != n:
             raise ValueError("a sliding-window cache cannot return that far")
 
     @property
@@ -347,3 +348,22 @@ def trim_cache(cache: list[Cache], n: int) -> int:
     for c in cache:
         c.trim(n)
     return n
+
+
+def rewind(cache: list[Cache], n: int, snapshot: tuple[int, list] | None) -> int | None:
+    """Bring every layer back to its first n tokens, or as near below as it can: a trim where
+    every layer can (layers may stand at different offsets: an interrupt between layers), else
+    `snapshot`, (its tokens, every layer's `Cache.snapshot`) taken at a point of those n tokens.
+    Returns the tokens the cache holds then; None when neither reaches, for a new cache."""
+    for c in cache:
+        c.trim(c.offset - n)
+    if all(c.offset == n for c in cache):
+        return n
+    if snapshot is None or snapshot[0] > n:
+        return None
+    try:
+        for c, snap in zip(cache, snapshot[1]):
+            c.restore(snap)
+    except ValueError:  # a sliding window dropped keys the snapshot needs
+        return None
+    return snapshot[0]

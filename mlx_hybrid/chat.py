@@ -8,10 +8,21 @@ A model with DSLA weights (or any model given a memory budget) runs each turn wi
 layers as DSLA as the conversation so far plus max_tokens need to fit the budget
 (`mlx_hybrid.adaptive`); when a turn needs more than the history ran with, the history is
 re-read once with the new conversion, since a layer's DSLA state cannot come from its KV cache.
+
+A recurrent state (Mamba, Mamba2, DSLA) cannot be trimmed token by token, so the session keeps a
+snapshot of every layer's cache (`Cache.snapshot`) at the last point it knows to be consistent
+before the reply: the end of each prefill chunk, up to the prompt but its last token (where a
+re-rendered reply may start to differ). A turn that must go back before the cache's end (the
+re-rendered reply differs from the tokens generated, or an interrupt left the layers at different
+offsets) trims where every layer can, else restores that snapshot and reads again only the
+tokens after it: the prompt's last token and the last reply. The history is read again only when
+neither reaches: a DSLA conversion change, a sliding window that dropped the keys, an edit of
+earlier messages (`messages` may be replaced between turns); such a turn reports it through
+`on_reread`.
 """
 
 from itertools import chain
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +30,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_hybrid import template
 from mlx_hybrid.adaptive import ConversionPolicy, Plan, cache_nbytes, is_adaptive
-from mlx_hybrid.cache import trim_cache
+from mlx_hybrid.cache import rewind
 from mlx_hybrid.decode import common_prefix
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import GenerationResponse, context_limit, stream_generate
@@ -44,11 +55,16 @@ def render_chat(tokenizer, messages: list[dict], context: int | None = None, add
 class ChatSession:
     def __init__(
         self, model: nn.Module, tokenizer: TokenizerWrapper, system: str | None = None, memory_budget=None,
-        speculator=None,
+        speculator=None, on_reread: Callable[[int, int], None] | None = None,
     ):
-        """speculator: replies use speculative decoding with it (`mlx_hybrid.speculative.load_proposer`)."""
+        """speculator: replies use speculative decoding with it (`mlx_hybrid.speculative.load_proposer`).
+
+        on_reread(done, total): a turn reads again history its cache lost (module docstring);
+        total is the tokens the turn reads before replying, done those read so far: (0, total)
+        first, then after each chunk of 512. An exception it raises (or a Ctrl-C) stops the turn
+        with the history unchanged; the cache keeps the chunks read, and the next turn reads the rest."""
         self.model, self.tokenizer, self.system = model, tokenizer, system
-        self.speculator = speculator
+        self.speculator, self.on_reread = speculator, on_reread
         adaptive = memory_budget is not None or is_adaptive(model)
         self.policy = ConversionPolicy(model, memory_budget) if adaptive else None
         self.plan: Plan | None = None  # the last turn's plan
@@ -62,6 +78,8 @@ class ChatSession:
         self.dsla_layers: list[int] = []  # layers the cache runs as DSLA
         self.cache = self._new_cache()
         self.tokens: list[int] = []  # exactly the tokens whose keys/values the cache holds
+        self._snapshot: tuple[int, list] | None = None  # (n, every layer's snapshot) after self.tokens[:n]
+        self._reply_start = 0  # tokens before the last reply: a cache that keeps fewer means a re-read
 
     @property
     def context_used(self) -> int:
@@ -114,13 +132,14 @@ class ChatSession:
             self.plan = self.policy.plan(len(prompt), clip_max_tokens(max_tokens, self.model, len(prompt)))
             if len(self.plan.dsla_layers) > len(self.dsla_layers):  # convert more: re-read the history
                 self.dsla_layers = self.plan.dsla_layers
-                self.cache, self.tokens, keep = self._new_cache(), [], 0
-        if trim_cache(self.cache, len(self.tokens) - keep) != len(self.tokens) - keep:
-            self.cache, keep = self._new_cache(), 0  # a sliding-window cache can't rewind that far
+                self.cache, self._snapshot, keep = self._new_cache(), None, 0
+        keep = self._rewind(keep)
         self.tokens = prompt[:keep]
+        self._snapshot = (keep, [c.snapshot() for c in self.cache])
         replies = stream_generate(
             self.model, self.tokenizer, prompt[keep:], max_tokens=max_tokens, sampling=sampling, cache=self.cache,
             history=self.tokens, speculator=self.speculator,
+            progress=self._reading(prompt, keep, reread=keep < min(self._reply_start, len(prompt) - 1)),
         )
         try:
             first = next(replies)
@@ -136,15 +155,32 @@ class ChatSession:
         finally:
             # One assignment: an interrupt cannot land between the user's message and the reply.
             self.messages = self.messages + [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+            self._reply_start = len(prompt) - 1
             replies.close()
             self._sync(prompt + generated)
 
+    def _reading(self, prompt: list[int], keep: int, reread: bool) -> Callable[[int, int], None]:
+        """stream_generate's progress for a prompt read from prompt[keep]: after each chunk every
+        layer holds prompt[:keep + done], the newest point an interrupt can return to."""
+
+        def progress(done: int, total: int):
+            if done:
+                self.tokens = prompt[: keep + done]
+                self._snapshot = (keep + done, [c.snapshot() for c in self.cache])
+            if reread and self.on_reread:
+                self.on_reread(done, total)
+
+        return progress
+
+    def _rewind(self, n: int) -> int:
+        """`cache.rewind` to the snapshot, else to an empty cache; the tokens it holds then."""
+        held = rewind(self.cache, n, self._snapshot)
+        if held is None:
+            self.cache, self._snapshot, held = self._new_cache(), None, 0
+        return held
+
     def _sync(self, fed: list[int]):
         """Make the cache hold a prefix of `fed` in every layer (an interrupt can land between layers)."""
-        n = min([len(fed)] + [c.offset for c in self.cache])
-        for c in self.cache:
-            c.trim(c.offset - n)
-        if any(c.offset != n for c in self.cache):
-            self.cache, n = self._new_cache(), 0
+        n = self._rewind(min([len(fed)] + [c.offset for c in self.cache]))
         self.tokens = fed[:n]
         mx.eval([c.state for c in self.cache])  # nothing left lazy: the next turn may run on another thread

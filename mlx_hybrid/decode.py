@@ -14,7 +14,8 @@ generation_stream = mx.new_thread_local_stream(mx.default_device())
 
 
 def prefill(model: nn.Module, tokens: mx.array, cache: list, step_size: int = 512, progress=None):
-    """Feed tokens through the model in chunks of step_size, filling the cache."""
+    """Feed tokens through the model in chunks of step_size, filling the cache; progress(done,
+    total) after each chunk, once every layer's cache holds it."""
     done = 0
     with mx.stream(generation_stream):
         while done < tokens.size:
@@ -34,8 +35,10 @@ def generate_step(
     logits_processors: list = (),
     max_tokens: int = 256,
     prefill_step_size: int = 512,
+    progress=None,
 ) -> Iterator[tuple[int, mx.array]]:
-    """Yield (token, logprobs) for up to max_tokens new tokens after prompt, which must be non-empty."""
+    """Yield (token, logprobs) for up to max_tokens new tokens after prompt, which must be non-empty
+    (progress: `prefill`'s, for the prompt but its last token)."""
 
     def step(tokens: mx.array, history: mx.array):
         logits = model(tokens[None], cache)[:, -1, :]
@@ -44,7 +47,7 @@ def generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs
 
-    prefill(model, prompt[:-1], cache, prefill_step_size)
+    prefill(model, prompt[:-1], cache, prefill_step_size, progress)
     history = prompt
     with mx.stream(generation_stream):
         token, logprobs = step(prompt[-1:], history)

@@ -105,6 +105,7 @@ def stream_generate(
     speculator: Proposer | None = None,
     prefill_step_size: int = 512,
     memory_budget: str | int | None = None,
+    progress=None,
 ) -> Iterator[GenerationResponse]:
     """Stream text pieces (with per-token stats) for prompt, a string or token ids.
 
@@ -118,6 +119,10 @@ def stream_generate(
     verifying its drafts. At temperature 0 the tokens are plain greedy decoding's; above it, draft-
     model and ReDrafter tokens are distributed as sampling from the target, Medusa's follow its
     typical acceptance.
+
+    progress(done, total): the prompt but its last token is read in chunks; called with (0, total)
+    once the request is accepted, then after each chunk, when every layer's cache holds it (where
+    a chat snapshots its caches: `mlx_hybrid.chat`).
     """
     sampling = sampling or SamplingParams()
     sampling.check(model.args.vocab_size)
@@ -132,14 +137,17 @@ def stream_generate(
 
     if speculator is None:
         steps = (([token], 0) for token, _ in generate_step(
-            mx.array(tokens), model, cache, sampling.sampler(), sampling.logits_processors(), max_tokens, prefill_step_size
+            mx.array(tokens), model, cache, sampling.sampler(), sampling.logits_processors(), max_tokens, prefill_step_size,
+            progress,
         ))
     else:
-        steps = speculative_steps(model, speculator, tokens, cache, sampling, history, prefill_step_size)
+        steps = speculative_steps(model, speculator, tokens, cache, sampling, history, prefill_step_size, progress=progress)
     stream = TextStream(tokenizer, stop)
     depth = speculator.depth if speculator is not None else 1
     mx.reset_peak_memory()
     tic = time.perf_counter()
+    if progress:
+        progress(0, len(tokens) - 1)
     prompt_tps, n, passes, accepted = 0.0, 0, 0, 0
     for new, drafts in steps:
         if n == 0:

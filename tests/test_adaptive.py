@@ -233,16 +233,29 @@ def test_chat_converts_when_the_history_grows(loaded):
     DSLA layer, and its reply equals fresh generation on that conversion."""
     model, tok = loaded
     policy = ConversionPolicy(model, "64GB")
-    session = ChatSession(model, tok, memory_budget=budget_for(policy, 300, 8, 1))
+    rereads = []
+    session = ChatSession(model, tok, memory_budget=budget_for(policy, 300, 8, 1), on_reread=lambda *a: rereads.append(a))
     list(session.send("The quick brown fox " * 8, max_tokens=8))
-    assert session.dsla_layers == [] and session.plan.dsla_layers == []
+    assert session.dsla_layers == [] and session.plan.dsla_layers == [] and rereads == []
     text = "Once upon a time there was a little robot who loved to read books. " * 6
     prompt = session.render(session.messages + [{"role": "user", "content": text}])
     assert 256 < len(prompt) + 8 <= 512  # the KV buffers grow to 512 rows: one layer must convert
     replies = [r.token for r in session.send(text, max_tokens=8)]
     assert session.dsla_layers == [3] and isinstance(session.cache[3], StateCache)
+    assert rereads == [(0, len(prompt) - 1), (len(prompt) - 1, len(prompt) - 1)]  # the whole prompt, reported
     assert replies == greedy(model, prompt, model.make_cache([3]), 8)
     assert session.cache_bytes == cache_nbytes(session.cache) > 0
+
+
+def test_cli_chat_shows_a_re_read(monkeypatch, capsys, dirs, loaded):
+    """The turn that converts a layer re-reads the conversation: `hybrid chat` says so on stderr."""
+    budget = budget_for(ConversionPolicy(loaded[0], "64GB"), 300, 8, 1)
+    turns = ["The quick brown fox " * 8, "Once upon a time there was a little robot who loved to read books. " * 6]
+    code, out, err = run(monkeypatch, capsys, "chat", "--model", dirs[0], "--max-tokens", 8, "--memory-budget", budget,
+                         stdin="\n".join(turns + ["/exit"]) + "\n")
+    assert code == 0 and "DSLA 0/5 layers" in out and "DSLA 1/5 layers" in out
+    assert err.count("re-reading the conversation") == 1, err
+    assert 256 < int(err.split("re-reading the conversation (")[1].split(" tokens)")[0]) < 512
 
 
 def test_cli_chat_footer_shows_conversion_and_kv_memory(monkeypatch, capsys, dirs, loaded):

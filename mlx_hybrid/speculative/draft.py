@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_hybrid.cache import commit
+from mlx_hybrid.cache import commit, rewind
 from mlx_hybrid.decode import common_prefix, prefill
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.limits import check_draft_count
@@ -39,27 +39,12 @@ class DraftProposer:
 
     def _rewind(self, keep: int):
         """Make the cache hold fed[:keep]."""
-        n = len(self.fed) - keep
-        if n == 0:
+        if keep == len(self.fed):
             return
-        if min(c.trimmable() for c in self.cache) >= n:
-            for c in self.cache:
-                c.trim(n)
-        elif self._snap is not None and self._snap[0] <= keep and self._restore(self._snap[1]):
-            keep = self._snap[0]
-        else:
+        keep = rewind(self.cache, keep, self._snap)
+        if keep is None:
             self.cache, keep = self.model.make_cache(), 0
         self.fed = self.fed[:keep]
-
-    def _restore(self, snaps: list) -> bool:
-        """Every layer back to its snapshot; False when one cannot go back (a sliding window
-        dropped what it needs)."""
-        try:
-            for c, s in zip(self.cache, snaps):
-                c.restore(s)
-        except ValueError:
-            return False
-        return True
 
     def _logits(self, x: mx.array) -> mx.array:
         """The draft's next-token logits after reading tokens x (n,). Several tokens (a step's

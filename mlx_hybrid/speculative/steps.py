@@ -41,17 +41,19 @@ def speculative_steps(
     prefill_step_size: int = 512,
     epsilon: float = 0.09,
     delta: float = 0.3,
+    progress=None,
 ) -> Iterator[tuple[list[int], int]]:
     """Yield (new tokens, accepted drafts) for each target pass; the first pass reads the prompt.
 
     history: the tokens `cache` already holds (a chat's earlier turns), which the draft model
     needs to see too. At temperature 0 the tokens are plain greedy decoding's; above it, draft-model
     and ReDrafter tokens are distributed as sampling from the target, and Medusa uses typical
-    acceptance with epsilon, delta (its posterior threshold and alpha).
+    acceptance with epsilon, delta (its posterior threshold and alpha); progress: `prefill`'s, for
+    the prompt but its last token.
     """
     rng = np.random.default_rng(sampling.seed)
     with mx.stream(decode.generation_stream):
-        prefill(model, mx.array(prompt[:-1]), cache, prefill_step_size)
+        prefill(model, mx.array(prompt[:-1]), cache, prefill_step_size, progress)
         logits, hidden = model(mx.array(prompt[-1:])[None], cache, return_hidden=True)
         hidden = hidden[0, -1]
         if sampling.temp == 0 and proposer.drafts_on_device:
