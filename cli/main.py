@@ -48,12 +48,24 @@ def _load(model_dir: Optional[Path]):
         return (*load(model_dir), model_dir)
 
 
-def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
+def _given(temp, top_p, top_k, min_p, repetition_penalty, seed) -> dict:
+    """The sampling flags given on the command line, checked before any model loads."""
     from mlx_hybrid.sampling import SamplingParams
 
-    params = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
-    params.check()
-    return params
+    given = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+    SamplingParams(**{k: v for k, v in given.items() if v is not None}).check()
+    return given
+
+
+def _sampling(model, given: dict, proposer):
+    """The flags given over the model's generation_config.json defaults, and a line saying which
+    setting came from where."""
+    from mlx_hybrid.generation_config import model_sampling_defaults
+
+    defaults = model_sampling_defaults(model)
+    params = defaults.params(speculative=proposer is not None, **given)
+    params.check(model.args.vocab_size)
+    return params, f"sampling: {defaults.describe(params, given)}"
 
 
 def _utf8(text: str, what: str) -> str:
@@ -99,12 +111,18 @@ def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draf
     return proposer
 
 
-# Shared sampling options (typer reads defaults from these).
-Temp = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
-TopP = typer.Option(0.0, "--top-p", help="Nucleus sampling mass (0 disables).")
-TopK = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 disables).")
-MinP = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0 disables).")
-RepPenalty = typer.Option(None, "--repetition-penalty", help="Penalize the last 20 tokens (> 1 discourages repeats).")
+# Shared sampling options (typer reads defaults from these). Unset, each takes the model's
+# generation_config.json value, else the value that disables it.
+Temp = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 0.")
+TopP = typer.Option(None, "--top-p", help="Nucleus sampling mass (0 disables). Default: generation_config.json's, else 0.")
+TopK = typer.Option(None, "--top-k", help="Keep only the k most likely tokens (0 disables). Default: generation_config.json's, else 0.")
+MinP = typer.Option(
+    None, "--min-p", help="Drop tokens below min-p times the top probability (0 disables). Default: generation_config.json's, else 0."
+)
+RepPenalty = typer.Option(
+    None, "--repetition-penalty",
+    help="Penalize the last 20 tokens (> 1 discourages repeats). Default: generation_config.json's (not with speculation), else none.",
+)
 Seed = typer.Option(None, "--seed", help="Random seed for sampling.")
 Speculative = typer.Option(
     None, "--speculative",
@@ -130,10 +148,10 @@ def chat(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Longest reply, in tokens."),
-    temp: float = Temp,
-    top_p: float = TopP,
-    top_k: int = TopK,
-    min_p: float = MinP,
+    temp: Optional[float] = Temp,
+    top_p: Optional[float] = TopP,
+    top_k: Optional[int] = TopK,
+    min_p: Optional[float] = MinP,
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
     memory_budget: Optional[str] = Budget,
@@ -146,18 +164,20 @@ def chat(
     from mlx_hybrid.adaptive import parse_budget
     from mlx_hybrid.chat import ChatSession
 
-    sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    given = _given(temp, top_p, top_k, min_p, repetition_penalty, seed)
     if max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {max_tokens}")
     system = None if system is None else _utf8(system, "--system")
     budget = None if memory_budget is None else parse_budget(memory_budget)
     loaded, tokenizer, model = _load(model)
     proposer = _proposer(speculative, loaded, tokenizer, model, heads, draft_model, num_draft)
+    sampling, described = _sampling(loaded, given, proposer)
     session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, speculator=proposer)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
+    out.print(described, style="dim", markup=False, soft_wrap=True)
     out.print("[dim]Type a message. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops a reply.[/]")
     last_interrupt = float("-inf")
 
@@ -227,10 +247,10 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Use the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (chat template only)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop before this string (repeatable)."),
-    temp: float = Temp,
-    top_p: float = TopP,
-    top_k: int = TopK,
-    min_p: float = MinP,
+    temp: Optional[float] = Temp,
+    top_p: Optional[float] = TopP,
+    top_k: Optional[int] = TopK,
+    min_p: Optional[float] = MinP,
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
     memory_budget: Optional[str] = Budget,
@@ -245,7 +265,7 @@ def generate(
     from mlx_hybrid.chat import ChatSession
     from mlx_hybrid.generate import stream_generate
 
-    sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    given = _given(temp, top_p, top_k, min_p, repetition_penalty, seed)
     budget = None if memory_budget is None else parse_budget(memory_budget)
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
@@ -263,6 +283,9 @@ def generate(
         session = ChatSession(loaded, tokenizer, system=system)
         prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
     proposer = _proposer(speculative, loaded, tokenizer, model, heads, draft_model, num_draft)
+    sampling, described = _sampling(loaded, given, proposer)
+    if verbose:
+        err.print(described, style="dim", markup=False)
     r = None
     for r in stream_generate(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
                              speculator=proposer, memory_budget=budget):
@@ -426,7 +449,10 @@ def serve(
     num_draft: int = NumDraft,
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together; more wait in the queue."),
     prompt_cache: str = typer.Option("2GB", "--prompt-cache", help="Memory for caches kept for reuse across requests, e.g. 2GB; 0 keeps none."),
-    temp: float = typer.Option(1.0, "--temp", help="Sampling temperature of requests that set none (OpenAI's default is 1)."),
+    temp: Optional[float] = typer.Option(
+        None, "--temp",
+        help="Sampling temperature of requests that set none. Default: the model's generation_config.json, else 1 (OpenAI's).",
+    ),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
     from mlx_hybrid.adaptive import parse_budget
@@ -437,7 +463,7 @@ def serve(
         raise HybridError(f"--port must be in [0, 65535], got {port}")
     if max_batch < 1:
         raise HybridError(f"--max-batch must be >= 1, got {max_batch}")
-    if temp < 0:
+    if temp is not None and temp < 0:
         raise HybridError(f"--temp must be >= 0, got {temp}")
     cache_bytes = 0 if prompt_cache.strip() == "0" else parse_budget(prompt_cache)
     if model is None:

@@ -15,6 +15,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
 
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generation_config import read_sampling_defaults
 from mlx_hybrid.models import hybrid, llama
 from mlx_hybrid.validate import (
     check_model_config,
@@ -100,7 +101,8 @@ def compute_dtype() -> str | None:
 
 
 def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
-    """The model in `path`, float tensors (quantization scales included) cast to `dtype`.
+    """The model in `path`, float tensors (quantization scales included) cast to `dtype`, with
+    its generation_config.json's sampling defaults as `model.sampling_defaults`.
 
     dtype None picks `compute_dtype()`; integer (packed quantized) weights are never touched.
     """
@@ -110,6 +112,7 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     weights = load_weights(path)
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
     check_model_config(config, path / "config.json", weights)
+    sampling_defaults = read_sampling_defaults(path, config["vocab_size"])
     try:
         if (path / hybrid.MAMBA_IN_LLAMA_CONFIG).is_file():
             mamba_config = read_json_object(path / hybrid.MAMBA_IN_LLAMA_CONFIG)
@@ -123,7 +126,9 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     if config.get("quantization"):
         _quantize(model, config["quantization"], weights)
     keep = getattr(arch, "FP32_PARAMS", ())  # recurrent-state parameters stay float32 whatever dtype
-    return set_weights(model, path, weights, dtype, keep)
+    model = set_weights(model, path, weights, dtype, keep)
+    model.sampling_defaults = sampling_defaults
+    return model
 
 
 def set_weights(module: nn.Module, path: Path, weights: dict, dtype: str | None, keep=()) -> nn.Module:
