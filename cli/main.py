@@ -29,6 +29,21 @@ MODEL_HELP = (
 )
 
 
+def _print_version(value: bool):
+    if value:
+        from mlx_hybrid import __version__
+
+        out.print(f"mlx-hybrid {__version__}", markup=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+):
+    """Fast on-device LLM inference on MLX: chat with or generate from a model directory."""
+
+
 def _load(model_dir: Optional[Path]):
     """(model, tokenizer, its directory): model_dir (a directory or Hub repo id), or the embedded
     default model's."""

@@ -7,6 +7,12 @@ quietly while MLX and transformers (seconds on a cold start) are still loading.
 import importlib
 import sys
 import types
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("mlx-hybrid")  # the installed distribution's: pyproject.toml is the one source
+except PackageNotFoundError:  # a checkout on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "ChatSession": "mlx_hybrid.chat",
