@@ -48,17 +48,9 @@ def _load(model_dir: Optional[Path]):
     """(model, tokenizer, its directory): model_dir (a directory or Hub repo id), or the embedded
     default model's."""
     from mlx_hybrid.hub import resolve
-    from mlx_hybrid.loader import load
+    from mlx_hybrid.loader import default_model_dir, load
 
-    if model_dir is not None:
-        model_dir = resolve(model_dir)
-    else:
-        from mlx_hybrid.default_model import default_model_path
-
-        try:
-            model_dir = default_model_path()
-        except FileNotFoundError as e:
-            raise HybridError(str(e)) from None
+    model_dir = default_model_dir() if model_dir is None else resolve(model_dir)
     with err.status(f"Loading {model_dir} ..."):
         return (*load(model_dir), model_dir)
 

@@ -21,6 +21,7 @@ _EXPORTS = {
     "SamplingParams": "mlx_hybrid.sampling",
     "generate": "mlx_hybrid.generate",
     "load": "mlx_hybrid.loader",
+    "load_default": "mlx_hybrid.loader",
     "load_model": "mlx_hybrid.loader",
     "stream_generate": "mlx_hybrid.generate",
 }

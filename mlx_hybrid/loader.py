@@ -176,10 +176,22 @@ def load_tokenizer(path: str | Path, eos_token_ids=None, base_model_type: str | 
         raise HybridError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
 
 
-def load(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
-    """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files).
+def default_model_dir() -> Path:
+    """The embedded default model's directory (`default_model.default_model_path`); a HybridError
+    when this install lacks it."""
+    from mlx_hybrid.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        raise HybridError(str(e)) from None
+
+
+def load(path: str | Path | None = None, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files),
+    or, path None, the embedded default model's (what `hybrid chat` runs without --model).
     The folder is data: one asking to run code (auto_map) is refused before anything is read."""
-    path = Path(path)
+    path = default_model_dir() if path is None else Path(path)
     refuse_remote_code(path)
     model = load_model(path, dtype)
     config = load_config(path)
@@ -188,3 +200,8 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, Tokeniz
     tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos, base)
     check_tokenizer_fits(tokenizer, model.args.vocab_size, path)
     return model, tokenizer
+
+
+def load_default(dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """The embedded default model and its tokenizer: `load()`."""
+    return load(None, dtype)
