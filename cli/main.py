@@ -20,6 +20,19 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _no_type_for_flags(display_type_rich):
+    """typer's rich help prints each option's type beside it, `<bool>` beside a flag too, which
+    takes no value (its plain help leaves flags bare): flags get no type column."""
+
+    def display(self, ctx):
+        return None if self.is_flag else display_type_rich(self, ctx)
+
+    return display
+
+
+typer.core.TyperOption.display_type_rich = _no_type_for_flags(typer.core.TyperOption.display_type_rich)
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 

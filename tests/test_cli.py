@@ -51,6 +51,24 @@ def test_help_reads_well(monkeypatch, capsys):
     assert code == 0 and "chat" in out and "generate" in out
 
 
+def _commands():
+    import typer
+
+    from mlx_hybrid.cli.main import app
+
+    return [[]] + [[name] for name in typer.main.get_command(app).commands]
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "hybrid")
+def test_help_shows_no_value_placeholder_for_flags(monkeypatch, capsys, command):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run(monkeypatch, capsys, *command, "--help")
+    assert code == 0 and "--help" in out
+    assert "<bool>" not in out
+    if command == ["generate"]:
+        assert "<int>" in out  # options that take a value keep their type
+
+
 @pytest.mark.parametrize(
     "args, fragments",
     [
