@@ -382,13 +382,15 @@ def tune(
     new_tokens: int = typer.Option(48, "--new-tokens", help="Greedy tokens generated per prompt."),
     max_width: int = typer.Option(8, "--max-width", help="Widest ReDrafter beam tried."),
     max_length: int = typer.Option(6, "--max-length", help="Longest ReDrafter beam tried (tokens, root included)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Tune on a CPU without asking."),
 ):
     """Measure verification cost and draft acceptance here, save the fastest speculation settings."""
-    from rich.progress import Progress
+    import mlx.core as mx
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from mlx_hybrid.limits import check_beam, clip_max_tokens, context_of
     from mlx_hybrid.profiles import profile_path, save_profile
-    from mlx_hybrid.tune import WIDTHS, calibration_prompts, plot
+    from mlx_hybrid.tune import WIDTHS, calibration_prompts, plot, stages
     from mlx_hybrid.tune import tune as run_tune
 
     if method not in ("redrafter", "medusa", "all"):
@@ -403,17 +405,30 @@ def tune(
     check_beam(max_width, max_length, loaded, "--max-width x --max-length")
     if clip_max_tokens(new_tokens, loaded) < new_tokens:
         raise HybridError(f"--new-tokens {new_tokens} exceeds the model's context ({context_of(loaded)} tokens)")
+    if mx.default_device() == mx.cpu:
+        err.print("note: on a CPU a verification pass over n tokens costs about n decode steps, so speculation "
+                  "cannot beat plain decoding here; tuning will most likely confirm that", markup=False)
+        if not yes and sys.stdin.isatty() and not _confirm("continue?"):
+            return
     widths = [w for w in WIDTHS if w <= max_width] or [1]
-    with Progress(console=err, transient=True) as bar:
-        tasks = {}
-
-        def progress(stage, done, total):
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done, total=total)
-
-        profile = run_tune(loaded, tokenizer, model, texts, methods, new_tokens, widths, max_length, progress=progress)
+    order = stages(methods)
     path = profile_path(model)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeRemainingColumn())
+    partial = {}
+    try:
+        with Progress(*columns, console=err, transient=True) as bar:
+            overall, tasks = bar.add_task("all stages", total=len(order)), {}
+
+            def progress(stage, done, total):
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(f"  {stage}", total=total)
+                bar.update(tasks[stage], completed=done, total=total)
+                bar.update(overall, completed=order.index(stage) + done / total)
+
+            profile = run_tune(loaded, tokenizer, model, texts, methods, new_tokens, widths, max_length, progress=progress, into=partial)
+    except KeyboardInterrupt:
+        _keep_finished_stages(partial, path)
+        raise
     save_profile(profile, path)
     out.print(f"plain decoding: {profile['plain_tps']:.1f} tok/s on {profile['device']}", markup=False)
     for m in profile["measured"][1:]:
@@ -427,6 +442,37 @@ def tune(
         out.print(f"plot {path.with_suffix('.png')}", markup=False)
     except ImportError:
         out.print("plot skipped: pip install matplotlib", markup=False)
+
+
+def _confirm(question: str) -> bool:
+    try:
+        return err.input(f"{question} [y/N] ", markup=False).strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
+def _json_or_empty(path: Path) -> dict:
+    from mlx_hybrid.validate import read_json_object
+
+    try:
+        return read_json_object(path)
+    except HybridError:  # a broken profile is worth less than the new stages
+        return {}
+
+
+def _keep_finished_stages(partial: dict, path: Path):
+    """After a Ctrl-C in `hybrid tune`: save what the finished stages measured, unless nothing
+    finished or a complete profile from an earlier run is there (it is worth more)."""
+    from mlx_hybrid.profiles import save_profile
+
+    finished = partial.get("stages")
+    if not finished:
+        err.print("interrupted before any stage finished; no profile written", markup=False)
+    elif path.is_file() and "choice" in _json_or_empty(path):
+        err.print(f"interrupted; the complete profile from an earlier run stays: {path}", markup=False)
+    else:
+        save_profile(partial, path)
+        err.print(f"interrupted; the profile keeps the finished stages ({', '.join(finished)}): {path}", markup=False)
 
 
 @app.command()
