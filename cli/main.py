@@ -20,6 +20,19 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _no_type_for_flags(display_type_rich):
+    """typer's rich help prints each option's type beside it, `<bool>` beside a flag too, which
+    takes no value (its plain help leaves flags bare): flags get no type column."""
+
+    def display(self, ctx):
+        return None if self.is_flag else display_type_rich(self, ctx)
+
+    return display
+
+
+typer.core.TyperOption.display_type_rich = _no_type_for_flags(typer.core.TyperOption.display_type_rich)
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -29,31 +42,50 @@ MODEL_HELP = (
 )
 
 
+def _print_version(value: bool):
+    if value:
+        from mlx_hybrid import __version__
+
+        out.print(f"mlx-hybrid {__version__}", markup=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+):
+    """Fast on-device LLM inference on MLX: chat with or generate from a model directory."""
+
+
 def _load(model_dir: Optional[Path]):
     """(model, tokenizer, its directory): model_dir (a directory or Hub repo id), or the embedded
     default model's."""
     from mlx_hybrid.hub import resolve
-    from mlx_hybrid.loader import load
+    from mlx_hybrid.loader import default_model_dir, load
 
-    if model_dir is not None:
-        model_dir = resolve(model_dir)
-    else:
-        from mlx_hybrid.default_model import default_model_path
-
-        try:
-            model_dir = default_model_path()
-        except FileNotFoundError as e:
-            raise HybridError(str(e)) from None
+    model_dir = default_model_dir() if model_dir is None else resolve(model_dir)
     with err.status(f"Loading {model_dir} ..."):
         return (*load(model_dir), model_dir)
 
 
-def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
+def _given(temp, top_p, top_k, min_p, repetition_penalty, seed) -> dict:
+    """The sampling flags given on the command line, checked before any model loads."""
     from mlx_hybrid.sampling import SamplingParams
 
-    params = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
-    params.check()
-    return params
+    given = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+    SamplingParams(**{k: v for k, v in given.items() if v is not None}).check()
+    return given
+
+
+def _sampling(model, given: dict, proposer):
+    """The flags given over the model's generation_config.json defaults, and a line saying which
+    setting came from where."""
+    from mlx_hybrid.generation_config import model_sampling_defaults
+
+    defaults = model_sampling_defaults(model)
+    params = defaults.params(speculative=proposer is not None, **given)
+    params.check(model.args.vocab_size)
+    return params, f"sampling: {defaults.describe(params, given)}"
 
 
 def _utf8(text: str, what: str) -> str:
@@ -99,12 +131,18 @@ def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draf
     return proposer
 
 
-# Shared sampling options (typer reads defaults from these).
-Temp = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
-TopP = typer.Option(0.0, "--top-p", help="Nucleus sampling mass (0 disables).")
-TopK = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 disables).")
-MinP = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0 disables).")
-RepPenalty = typer.Option(None, "--repetition-penalty", help="Penalize the last 20 tokens (> 1 discourages repeats).")
+# Shared sampling options (typer reads defaults from these). Unset, each takes the model's
+# generation_config.json value, else the value that disables it.
+Temp = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 0.")
+TopP = typer.Option(None, "--top-p", help="Nucleus sampling mass (0 disables). Default: generation_config.json's, else 0.")
+TopK = typer.Option(None, "--top-k", help="Keep only the k most likely tokens (0 disables). Default: generation_config.json's, else 0.")
+MinP = typer.Option(
+    None, "--min-p", help="Drop tokens below min-p times the top probability (0 disables). Default: generation_config.json's, else 0."
+)
+RepPenalty = typer.Option(
+    None, "--repetition-penalty",
+    help="Penalize the last 20 tokens (> 1 discourages repeats). Default: generation_config.json's (not with speculation), else none.",
+)
 Seed = typer.Option(None, "--seed", help="Random seed for sampling.")
 Speculative = typer.Option(
     None, "--speculative",
@@ -155,10 +193,10 @@ def chat(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Longest reply, in tokens."),
-    temp: float = Temp,
-    top_p: float = TopP,
-    top_k: int = TopK,
-    min_p: float = MinP,
+    temp: Optional[float] = Temp,
+    top_p: Optional[float] = TopP,
+    top_k: Optional[int] = TopK,
+    min_p: Optional[float] = MinP,
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
     memory_budget: Optional[str] = Budget,
@@ -171,19 +209,21 @@ def chat(
     from mlx_hybrid.adaptive import parse_budget
     from mlx_hybrid.chat import ChatSession
 
-    sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    given = _given(temp, top_p, top_k, min_p, repetition_penalty, seed)
     if max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {max_tokens}")
     system = None if system is None else _utf8(system, "--system")
     budget = None if memory_budget is None else parse_budget(memory_budget)
     loaded, tokenizer, model = _load(model)
     proposer = _proposer(speculative, loaded, tokenizer, model, heads, draft_model, num_draft)
+    sampling, described = _sampling(loaded, given, proposer)
     rereading = _RereadBar()
     session = ChatSession(loaded, tokenizer, system=system, memory_budget=budget, speculator=proposer, on_reread=rereading)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
+    out.print(described, style="dim", markup=False, soft_wrap=True)
     out.print("[dim]Type a message. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops a reply.[/]")
     last_interrupt = float("-inf")
 
@@ -254,10 +294,10 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Use the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (chat template only)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop before this string (repeatable)."),
-    temp: float = Temp,
-    top_p: float = TopP,
-    top_k: int = TopK,
-    min_p: float = MinP,
+    temp: Optional[float] = Temp,
+    top_p: Optional[float] = TopP,
+    top_k: Optional[int] = TopK,
+    min_p: Optional[float] = MinP,
     repetition_penalty: Optional[float] = RepPenalty,
     seed: Optional[int] = Seed,
     memory_budget: Optional[str] = Budget,
@@ -272,7 +312,7 @@ def generate(
     from mlx_hybrid.chat import ChatSession
     from mlx_hybrid.generate import stream_generate
 
-    sampling = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    given = _given(temp, top_p, top_k, min_p, repetition_penalty, seed)
     budget = None if memory_budget is None else parse_budget(memory_budget)
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
@@ -290,6 +330,9 @@ def generate(
         session = ChatSession(loaded, tokenizer, system=system)
         prompt = session.render(session.messages + [{"role": "user", "content": prompt}])
     proposer = _proposer(speculative, loaded, tokenizer, model, heads, draft_model, num_draft)
+    sampling, described = _sampling(loaded, given, proposer)
+    if verbose:
+        err.print(described, style="dim", markup=False)
     r = None
     for r in stream_generate(loaded, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
                              speculator=proposer, memory_budget=budget):
@@ -366,13 +409,15 @@ def tune(
     new_tokens: int = typer.Option(48, "--new-tokens", help="Greedy tokens generated per prompt."),
     max_width: int = typer.Option(8, "--max-width", help="Widest ReDrafter beam tried."),
     max_length: int = typer.Option(6, "--max-length", help="Longest ReDrafter beam tried (tokens, root included)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Tune on a CPU without asking."),
 ):
     """Measure verification cost and draft acceptance here, save the fastest speculation settings."""
-    from rich.progress import Progress
+    import mlx.core as mx
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from mlx_hybrid.limits import check_beam, clip_max_tokens, context_of
     from mlx_hybrid.profiles import profile_path, save_profile
-    from mlx_hybrid.tune import WIDTHS, calibration_prompts, plot
+    from mlx_hybrid.tune import WIDTHS, calibration_prompts, plot, stages
     from mlx_hybrid.tune import tune as run_tune
 
     if method not in ("redrafter", "medusa", "all"):
@@ -387,17 +432,30 @@ def tune(
     check_beam(max_width, max_length, loaded, "--max-width x --max-length")
     if clip_max_tokens(new_tokens, loaded) < new_tokens:
         raise HybridError(f"--new-tokens {new_tokens} exceeds the model's context ({context_of(loaded)} tokens)")
+    if mx.default_device() == mx.cpu:
+        err.print("note: on a CPU a verification pass over n tokens costs about n decode steps, so speculation "
+                  "cannot beat plain decoding here; tuning will most likely confirm that", markup=False)
+        if not yes and sys.stdin.isatty() and not _confirm("continue?"):
+            return
     widths = [w for w in WIDTHS if w <= max_width] or [1]
-    with Progress(console=err, transient=True) as bar:
-        tasks = {}
-
-        def progress(stage, done, total):
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done, total=total)
-
-        profile = run_tune(loaded, tokenizer, model, texts, methods, new_tokens, widths, max_length, progress=progress)
+    order = stages(methods)
     path = profile_path(model)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeRemainingColumn())
+    partial = {}
+    try:
+        with Progress(*columns, console=err, transient=True) as bar:
+            overall, tasks = bar.add_task("all stages", total=len(order)), {}
+
+            def progress(stage, done, total):
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(f"  {stage}", total=total)
+                bar.update(tasks[stage], completed=done, total=total)
+                bar.update(overall, completed=order.index(stage) + done / total)
+
+            profile = run_tune(loaded, tokenizer, model, texts, methods, new_tokens, widths, max_length, progress=progress, into=partial)
+    except KeyboardInterrupt:
+        _keep_finished_stages(partial, path)
+        raise
     save_profile(profile, path)
     out.print(f"plain decoding: {profile['plain_tps']:.1f} tok/s on {profile['device']}", markup=False)
     for m in profile["measured"][1:]:
@@ -411,6 +469,37 @@ def tune(
         out.print(f"plot {path.with_suffix('.png')}", markup=False)
     except ImportError:
         out.print("plot skipped: pip install matplotlib", markup=False)
+
+
+def _confirm(question: str) -> bool:
+    try:
+        return err.input(f"{question} [y/N] ", markup=False).strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
+def _json_or_empty(path: Path) -> dict:
+    from mlx_hybrid.validate import read_json_object
+
+    try:
+        return read_json_object(path)
+    except HybridError:  # a broken profile is worth less than the new stages
+        return {}
+
+
+def _keep_finished_stages(partial: dict, path: Path):
+    """After a Ctrl-C in `hybrid tune`: save what the finished stages measured, unless nothing
+    finished or a complete profile from an earlier run is there (it is worth more)."""
+    from mlx_hybrid.profiles import save_profile
+
+    finished = partial.get("stages")
+    if not finished:
+        err.print("interrupted before any stage finished; no profile written", markup=False)
+    elif path.is_file() and "choice" in _json_or_empty(path):
+        err.print(f"interrupted; the complete profile from an earlier run stays: {path}", markup=False)
+    else:
+        save_profile(partial, path)
+        err.print(f"interrupted; the profile keeps the finished stages ({', '.join(finished)}): {path}", markup=False)
 
 
 @app.command()
@@ -453,7 +542,10 @@ def serve(
     num_draft: int = NumDraft,
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together; more wait in the queue."),
     prompt_cache: str = typer.Option("2GB", "--prompt-cache", help="Memory for caches kept for reuse across requests, e.g. 2GB; 0 keeps none."),
-    temp: float = typer.Option(1.0, "--temp", help="Sampling temperature of requests that set none (OpenAI's default is 1)."),
+    temp: Optional[float] = typer.Option(
+        None, "--temp",
+        help="Sampling temperature of requests that set none. Default: the model's generation_config.json, else 1 (OpenAI's).",
+    ),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
     from mlx_hybrid.adaptive import parse_budget
@@ -464,7 +556,7 @@ def serve(
         raise HybridError(f"--port must be in [0, 65535], got {port}")
     if max_batch < 1:
         raise HybridError(f"--max-batch must be >= 1, got {max_batch}")
-    if temp < 0:
+    if temp is not None and temp < 0:
         raise HybridError(f"--temp must be >= 0, got {temp}")
     cache_bytes = 0 if prompt_cache.strip() == "0" else parse_budget(prompt_cache)
     if model is None:

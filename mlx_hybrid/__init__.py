@@ -7,6 +7,12 @@ quietly while MLX and transformers (seconds on a cold start) are still loading.
 import importlib
 import sys
 import types
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("mlx-hybrid")  # the installed distribution's: pyproject.toml is the one source
+except PackageNotFoundError:  # a checkout on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "ChatSession": "mlx_hybrid.chat",
@@ -15,6 +21,7 @@ _EXPORTS = {
     "SamplingParams": "mlx_hybrid.sampling",
     "generate": "mlx_hybrid.generate",
     "load": "mlx_hybrid.loader",
+    "load_default": "mlx_hybrid.loader",
     "load_model": "mlx_hybrid.loader",
     "stream_generate": "mlx_hybrid.generate",
 }

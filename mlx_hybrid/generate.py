@@ -18,6 +18,7 @@ from mlx_hybrid.adaptive import Plan, request_cache
 from mlx_hybrid.decode import generate_step
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.limits import check_token_ids, clip_max_tokens
+from mlx_hybrid.generation_config import model_sampling_defaults
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.proposer import Proposer
 from mlx_hybrid.speculative.steps import speculative_steps
@@ -115,6 +116,9 @@ def stream_generate(
     as weights + cache need to fit memory_budget (bytes or e.g. "8GB"; default: the device's,
     see `mlx_hybrid.adaptive`); a budget also applies to others.
 
+    sampling None: the model's generation_config.json defaults (`mlx_hybrid.generation_config`),
+    else greedy.
+
     speculator (`mlx_hybrid.speculative.load_proposer`): decode speculatively, a target pass
     verifying its drafts. At temperature 0 the tokens are plain greedy decoding's; above it, draft-
     model and ReDrafter tokens are distributed as sampling from the target, Medusa's follow its
@@ -124,7 +128,8 @@ def stream_generate(
     once the request is accepted, then after each chunk, when every layer's cache holds it (where
     a chat snapshots its caches: `mlx_hybrid.chat`).
     """
-    sampling = sampling or SamplingParams()
+    if sampling is None:  # the model's generation_config.json, else greedy
+        sampling = model_sampling_defaults(model).params(speculative=speculator is not None)
     sampling.check(model.args.vocab_size)
     if speculator is not None and sampling.repetition_penalty is not None:
         raise HybridError("speculative decoding does not support a repetition penalty")

@@ -15,6 +15,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
 
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.generation_config import read_sampling_defaults
 from mlx_hybrid.models import hybrid, llama
 from mlx_hybrid.validate import (
     check_model_config,
@@ -100,7 +101,8 @@ def compute_dtype() -> str | None:
 
 
 def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
-    """The model in `path`, float tensors (quantization scales included) cast to `dtype`.
+    """The model in `path`, float tensors (quantization scales included) cast to `dtype`, with
+    its generation_config.json's sampling defaults as `model.sampling_defaults`.
 
     dtype None picks `compute_dtype()`; integer (packed quantized) weights are never touched.
     """
@@ -110,6 +112,7 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     weights = load_weights(path)
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
     check_model_config(config, path / "config.json", weights)
+    sampling_defaults = read_sampling_defaults(path, config["vocab_size"])
     try:
         if (path / hybrid.MAMBA_IN_LLAMA_CONFIG).is_file():
             mamba_config = read_json_object(path / hybrid.MAMBA_IN_LLAMA_CONFIG)
@@ -123,7 +126,9 @@ def load_model(path: str | Path, dtype: str | None = None) -> nn.Module:
     if config.get("quantization"):
         _quantize(model, config["quantization"], weights)
     keep = getattr(arch, "FP32_PARAMS", ())  # recurrent-state parameters stay float32 whatever dtype
-    return set_weights(model, path, weights, dtype, keep)
+    model = set_weights(model, path, weights, dtype, keep)
+    model.sampling_defaults = sampling_defaults
+    return model
 
 
 def set_weights(module: nn.Module, path: Path, weights: dict, dtype: str | None, keep=()) -> nn.Module:
@@ -171,10 +176,22 @@ def load_tokenizer(path: str | Path, eos_token_ids=None, base_model_type: str | 
         raise HybridError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
 
 
-def load(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
-    """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files).
+def default_model_dir() -> Path:
+    """The embedded default model's directory (`default_model.default_model_path`); a HybridError
+    when this install lacks it."""
+    from mlx_hybrid.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        raise HybridError(str(e)) from None
+
+
+def load(path: str | Path | None = None, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files),
+    or, path None, the embedded default model's (what `hybrid chat` runs without --model).
     The folder is data: one asking to run code (auto_map) is refused before anything is read."""
-    path = Path(path)
+    path = default_model_dir() if path is None else Path(path)
     refuse_remote_code(path)
     model = load_model(path, dtype)
     config = load_config(path)
@@ -183,3 +200,8 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[nn.Module, Tokeniz
     tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos, base)
     check_tokenizer_fits(tokenizer, model.args.vocab_size, path)
     return model, tokenizer
+
+
+def load_default(dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """The embedded default model and its tokenizer: `load()`."""
+    return load(None, dtype)

@@ -100,11 +100,17 @@ def profile_path(model_dir: str | Path, device: str | None = None) -> Path:
 
 
 def save_profile(profile: dict, path: Path):
+    """Write profile at path in one rename: a run stopped mid-write (Ctrl-C, a full disk) leaves
+    the earlier profile, or none, and no temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(profile, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(profile, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 class ProfileWarning(UserWarning):

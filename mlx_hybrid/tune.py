@@ -71,6 +71,12 @@ def _median_seconds(fn, reps: int) -> float:
     return median(times)
 
 
+def stages(methods: list[str]) -> list[str]:
+    """The stages `tune` reports progress for, in order."""
+    return (["verification cost", "greedy runs"] + ["beam acceptance", "drafting cost"] * ("redrafter" in methods)
+            + ["tree cost"] * ("medusa" in methods) + ["end-to-end runs"])
+
+
 def binary_tree(n: int) -> TreeMask:
     return TreeMask.from_parents([-1] + [(t - 1) // 2 for t in range(1, n)])
 
@@ -144,19 +150,24 @@ def tune(
     counts=COUNTS,
     validate: int = 2,
     progress=None,
+    into: dict | None = None,
 ) -> dict:
     """Measure, predict and validate (module docstring); returns the profile.
 
-    progress(stage, done, total) reports each stage. validate: how many of the best predicted
-    settings per method are run end to end, besides the default."""
+    progress(stage, done, total) reports each stage (`stages(methods)`, in order). validate: how
+    many of the best predicted settings per method are run end to end, besides the default.
+    into: the dict the profile is built in, so that a caller interrupted mid-way (Ctrl-C) keeps
+    the results of the stages its "stages" list names as finished."""
     report = progress or (lambda *a: None)
     ids = [tokenizer.encode(p) for p in prompts]
     model_dir = Path(model_dir)
-    profile = {"device": device_name(), "model": str(model_dir.resolve()), "model_key": model_key(model_dir),
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "mlx": mx.__version__, "new_tokens": new_tokens,
-               "prompts": len(prompts)}
+    profile = into if into is not None else {}
+    profile.update({"device": device_name(), "model": str(model_dir.resolve()), "model_key": model_key(model_dir),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "mlx": mx.__version__, "new_tokens": new_tokens,
+                    "prompts": len(prompts), "stages": []})
     verify = verification_cost(model, counts, progress=lambda d, t: report("verification cost", d, t))
     profile["verification_seconds"] = verify
+    profile["stages"].append("verification cost")
     runs = greedy_runs(model, ids, new_tokens, progress=lambda d, t: report("greedy runs", d, t))
     hidden = runs[0].hidden[0]
     history = runs[0].tokens[: runs[0].start + 2]
@@ -178,6 +189,8 @@ def tune(
             report("drafting cost", len(rows), len(stats) * len(stats[0].lengths))
         default = Settings(proposer.drafter.config.beam_width, proposer.drafter.config.beam_length)
         candidates["redrafter"] = (rows, default, lambda r: Settings(r["beam_width"], r["beam_length"]))
+        profile["redrafter"] = rows
+        profile["stages"].append("drafting cost")
     if "medusa" in methods:
         from mlx_hybrid.speculative.medusa import head_accuracies
 
@@ -198,6 +211,8 @@ def tune(
                              predicted_tps=per_step / step))
             report("tree cost", i + 1, len(sizes))
         candidates["medusa"] = (rows, Settings(), lambda r: Settings(medusa_choices=r["medusa_choices"]))
+        profile["medusa"] = rows
+        profile["stages"].append("tree cost")
 
     # End to end: plain decoding, each method's default and its best predictions.
     todo = [("plain", None, None, None)]
@@ -205,7 +220,7 @@ def tune(
         todo.append((method, "default", default, None))
         for r in sorted(rows, key=lambda r: -r["predicted_tps"])[:validate]:
             todo.append((method, "predicted", to_settings(r), r))
-    measured = []
+    measured = profile["measured"] = []
     for i, (method, kind, settings, row) in enumerate(todo):
         tps = _measure(model, model_dir, None if method == "plain" else method, settings, ids[:3], new_tokens)
         entry = dict(method=method, kind=kind, tps=tps, **({k: v for k, v in asdict(settings).items() if v} if settings else {}))
@@ -214,12 +229,11 @@ def tune(
         if row is not None:
             row["measured_tps"] = tps
         report("end-to-end runs", i + 1, len(todo))
+    profile["stages"].append("end-to-end runs")
     plain = measured[0]["tps"]
     profile["plain_tps"] = plain
-    profile["measured"] = measured
     profile["best"] = {}
-    for method, (rows, _, _) in candidates.items():
-        profile[method] = rows
+    for method in candidates:
         best = max((m for m in measured if m["method"] == method), key=lambda m: m["tps"])
         profile["best"][method] = {k: v for k, v in best.items() if k not in ("method", "kind")} | {"speedup": best["tps"] / plain}
     fastest = max(measured, key=lambda m: m["tps"])

@@ -51,6 +51,24 @@ def test_help_reads_well(monkeypatch, capsys):
     assert code == 0 and "chat" in out and "generate" in out
 
 
+def _commands():
+    import typer
+
+    from mlx_hybrid.cli.main import app
+
+    return [[]] + [[name] for name in typer.main.get_command(app).commands]
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "hybrid")
+def test_help_shows_no_value_placeholder_for_flags(monkeypatch, capsys, command):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run(monkeypatch, capsys, *command, "--help")
+    assert code == 0 and "--help" in out
+    assert "<bool>" not in out
+    if command == ["generate"]:
+        assert "<int>" in out  # options that take a value keep their type
+
+
 @pytest.mark.parametrize(
     "args, fragments",
     [
@@ -120,3 +138,16 @@ def test_convert_gguf_takes_only_dtype(monkeypatch, capsys, tmp_path):
     code, out, err = run(monkeypatch, capsys, "convert", tmp_path / "m.gguf", tmp_path / "dst", "-q")
     assert_one_line_error(code, err, "takes only --dtype")
     assert not (tmp_path / "dst").exists()
+
+
+def test_version_is_pyprojects(monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    import mlx_hybrid
+
+    # pyproject.toml's [project] version (tomllib is Python 3.11+; the project supports 3.10).
+    declared = re.search(r'^version = "([^"]+)"$', (Path(__file__).parents[1] / "pyproject.toml").read_text(), re.M).group(1)
+    assert mlx_hybrid.__version__ == declared
+    code, out, _ = run(monkeypatch, capsys, "--version")
+    assert code == 0 and out == f"mlx-hybrid {declared}\n"

@@ -2,6 +2,7 @@
 acceptance statistics against real speculative steps, profiles saved, reused and preset, and
 one-line errors."""
 
+import io
 import json
 import shutil
 
@@ -13,6 +14,7 @@ from tests.helpers.cli import assert_one_line_error, run
 from tests.test_speculative_cli import model_dir  # noqa: F401  (fixture: a target with medusa/, redrafter/, draft/)
 
 from mlx_hybrid import profiles
+from mlx_hybrid import tune as tune_module
 from mlx_hybrid.decode import generate_step
 from mlx_hybrid.generate import generate
 from mlx_hybrid.sampling import SamplingParams
@@ -167,3 +169,59 @@ def test_tune_bad_input(monkeypatch, capsys, model_dir, tmp_path, cache_dir):  #
     assert_one_line_error(code, err, "nothing to tune")
     code, _, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--new-tokens", 3, "--max-length", 5)
     assert_one_line_error(code, err, "--new-tokens")
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The default device reads as the CPU, where speculation cannot win (on any test machine)."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+
+
+def test_tune_on_a_cpu_says_so_and_asks_on_a_terminal(monkeypatch, capsys, model_dir, cache_dir, on_cpu):  # noqa: F811
+    monkeypatch.setattr("sys.stdin", Terminal("n\n"))
+    code, out, err = run(monkeypatch, capsys, "tune", "-m", model_dir)
+    assert code == 0 and out == ""
+    assert "note: on a CPU" in err and "continue? [y/N]" in err
+    assert not profiles.profile_path(model_dir).exists()
+
+
+def interrupt_after_the_first_stage(monkeypatch):
+    real = tune_module.tune
+
+    def tune(*args, progress, **kwargs):
+        def report(stage, done, total):
+            if stage != "verification cost":
+                raise KeyboardInterrupt
+            progress(stage, done, total)
+
+        return real(*args, progress=report, **kwargs)
+
+    monkeypatch.setattr(tune_module, "tune", tune)
+
+
+def test_interrupted_tune_keeps_the_finished_stages(monkeypatch, capsys, model_dir, cache_dir, on_cpu):  # noqa: F811
+    interrupt_after_the_first_stage(monkeypatch)
+    # Not a terminal: the CPU note, then tuning without a question.
+    code, _, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--new-tokens", 10, stdin="")
+    assert code == 130
+    path = profiles.profile_path(model_dir)
+    assert "note: on a CPU" in err and "continue?" not in err
+    assert f"interrupted; the profile keeps the finished stages (verification cost): {path}" in err.replace("\n", "")
+    saved = json.loads(path.read_text())
+    assert saved["stages"] == ["verification cost"]
+    assert saved["verification_seconds"]["n"] == list(tune_module.COUNTS)
+    assert len(saved["verification_seconds"]["chain"]) == len(tune_module.COUNTS)
+    assert profiles.load_profile(model_dir) == (saved, path)
+    assert list(path.parent.glob("*.tmp")) == []
+
+    # A complete profile from an earlier run is worth more than an interrupted one's stages.
+    complete = {"choice": None, "best": {}, "stages": tune_module.stages(["redrafter", "medusa"])}
+    path.write_text(json.dumps(complete))
+    code, _, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--new-tokens", 10, "--yes")
+    assert code == 130 and "the complete profile from an earlier run stays" in err.replace("\n", "")
+    assert json.loads(path.read_text()) == complete

@@ -35,7 +35,7 @@ class Server:
 
     def __init__(
         self, load: Callable[[], Loaded], model_id: str, host: str = "127.0.0.1", port: int = 8080, *,
-        max_batch: int = 16, prompt_cache_bytes: int = 2 * 10**9, default_temp: float = 1.0,
+        max_batch: int = 16, prompt_cache_bytes: int = 2 * 10**9, default_temp: float | None = None,
     ):
         self.engine = Engine(load, max_batch=max_batch, prompt_cache_bytes=prompt_cache_bytes)
         self.model_id, self.host, self.port = model_id, host, port

@@ -17,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from mlx_hybrid.generation_config import model_sampling_defaults
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.server.engine import Engine, Failed, Finished, Job, Started
 from mlx_hybrid.server.protocol import ApiError, ChatRequest, CompletionRequest, Reply, parse
 
@@ -39,9 +41,16 @@ class Channel:
             pass
 
 
-def create_app(engine: Engine, model_id: str, default_temp: float = 1.0) -> Starlette:
-    """The ASGI app serving engine's model under the id model_id."""
+def create_app(engine: Engine, model_id: str, default_temp: float | None = None) -> Starlette:
+    """The ASGI app serving engine's model under the id model_id. A field a request leaves out
+    takes the model's generation_config.json value (`mlx_hybrid.generation_config`), the
+    temperature default_temp if given, else the file's, else OpenAI's 1."""
     created = int(time.time())
+
+    def defaults() -> SamplingParams:
+        model_defaults = model_sampling_defaults(engine.loaded.model)
+        temp = default_temp if default_temp is not None else model_defaults.values.get("temp", 1.0)
+        return model_defaults.params(temp=temp)
 
     def check_model(name: str):
         if name != model_id:
@@ -64,7 +73,7 @@ def create_app(engine: Engine, model_id: str, default_temp: float = 1.0) -> Star
 
     def _job(req, channel: Channel, **prompt) -> Job:
         return Job(
-            send=channel.send, max_tokens=req.limit(), sampling=req.sampling(default_temp), stop=req.stops(),
+            send=channel.send, max_tokens=req.limit(), sampling=req.sampling(defaults()), stop=req.stops(),
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.bias(), **prompt,
         )
 

@@ -9,6 +9,7 @@ and repetition_penalty are accepted as extensions, as mlx-lm's server does.
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -72,15 +73,15 @@ class Common(Strict):
     n: int = 1
     logprobs: bool | int | None = None
     user: str | None = None
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
 
-    def sampling(self, default_temp: float) -> SamplingParams:
-        return SamplingParams(
-            temp=default_temp if self.temperature is None else self.temperature, top_p=self.top_p or 0.0, top_k=self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
-        )
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
+        """defaults (the server's, `app.create_app`) under the fields this request sets."""
+        given = dict(temp=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                     repetition_penalty=self.repetition_penalty, seed=self.seed)
+        return replace(defaults, **{k: v for k, v in given.items() if v is not None})
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
