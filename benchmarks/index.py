@@ -58,6 +58,8 @@ KINDS = {
     "dsla-kernel": "benchmarks/dsla_kernel.py",
     "train-heads": "train_cuda/scripts/real_heads.py",
     "train-hybrid-target": "train_cuda/scripts/real_default.py --settings train_cuda/configs/real_hybrid_target.yaml",
+    "train-default": "train_cuda/scripts/real_default.py",
+    "perplexity": "benchmarks/perplexity.py",
 }
 
 
@@ -386,6 +388,18 @@ def serve_tables(results: list[Result]) -> str:
     return "\n\n".join(out)
 
 
+def perplexity_tables(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        d = r.data
+        lines = [f"#### {r.device} ({r.date}), {', '.join(d['text'])}, blocks of {d['seq_len']} tokens: `{show_command(d['command'])}`", "",
+                 "| model | perplexity | ratio | word perplexity | word ratio | tokens | words |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {x['model']} ({x['path']}) | {x['ppl']:.3f} | {x['ratio']:.3f} | {x['word_ppl']:.2f} | {x['word_ratio']:.3f} | {x['tokens']} | {x['words']} |"
+                  for x in d["rows"]]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def dsla_kernel_tables(results: list[Result]) -> str:
     out = []
     for r in results:
@@ -412,7 +426,8 @@ TABLES = {
     "speculative": (["speculative"], speculative_tables),
     "graph-ops": (["graph-ops"], graph_tables),
     "tune": (["tune"], tune_tables),
-    "training": (["train-heads", "train-hybrid-target"], training_tables),
+    "training": (["train-heads", "train-hybrid-target", "train-default"], training_tables),
+    "perplexity": (["perplexity"], perplexity_tables),
     "serve": (["serve", "serve-steps", "serve-robustness"], serve_tables),
     "dsla-kernel": (["dsla-kernel"], dsla_kernel_tables),
 }

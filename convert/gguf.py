@@ -297,7 +297,7 @@ def write_tokenizer(reader, out: Path):
     fast.save_pretrained(out)
 
 
-def _save_shards(tensors: dict[str, mx.array], out: Path):
+def save_shards(tensors: dict[str, mx.array], out: Path):
     shards, current, size = [], {}, 0
     for name, a in tensors.items():
         if current and size + a.nbytes > SHARD_BYTES:
@@ -376,7 +376,7 @@ def convert_gguf(
                 progress(i + 1, len(reader.tensors))
         if quant:
             config["quantization"] = config["quantization_config"] = quant
-        _save_shards(tensors, tmp)
+        save_shards(tensors, tmp)
         write_tokenizer(reader, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return dst
