@@ -56,6 +56,7 @@ KINDS = {
     "serve-steps": "benchmarks/serve.py --parts steps",
     "serve-robustness": "benchmarks/serve.py --parts robustness",
     "dsla-kernel": "benchmarks/dsla_kernel.py",
+    "chat-quality": "benchmarks/chat_quality.py",
     "train-heads": "train_cuda/scripts/real_heads.py",
     "train-hybrid-target": "train_cuda/scripts/real_default.py --settings train_cuda/configs/real_hybrid_target.yaml",
     "train-default": "train_cuda/scripts/real_default.py",
@@ -416,6 +417,38 @@ def dsla_kernel_tables(results: list[Result]) -> str:
     return "\n\n".join(out)
 
 
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def chat_quality_tables(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        d = r.data
+        t = d["teacher"]
+        lines = [f"#### {d['model']['name']}" + (f" against {t['name']}" if t else "") + f", {r.device} ({r.date})", "",
+                 f"`{show_command(d['command'])}`", "",
+                 f"{d['n_questions']} questions ({', '.join(f'{n} {k}' for k, n in d['kinds'].items())}), at most "
+                 f"{d['max_tokens']} tokens a reply." + (f" The teacher gets {t['summary']['accuracy']:.0%} right greedily "
+                                                        f"({sum(x['correct'] for x in t['records'])} questions)." if t else ""), "",
+                 "| model | sampling | replies | accuracy | agreement where the teacher is right | looping prompts | "
+                 "largest 4-gram count | ended on end-of-turn | time |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        rows = ([(t["name"], "greedy (reference)", t["summary"], False)] if t else []) + [
+            (d["model"]["name"], x["setting"] + (f", {x['samples']} samples" if x["samples"] > 1 else ""), x["summary"], i == d["best"])
+            for i, x in enumerate(d["runs"])]
+        for name, setting, s, best in rows:
+            cells = [name, setting, str(s["replies"]), pct(s["accuracy"]), pct(s["agreement"]),
+                     f"{s['looping']} / {s['loop_prompts']}", str(max(s["max_4gram"].values(), default=0)), pct(s["ended"]),
+                     f"{s['seconds']:.0f} s"]
+            lines.append("| " + " | ".join(f"**{c}**" if best and len(d["runs"]) > 1 else c for c in cells) + " |")
+        if len(d["runs"]) > 1:
+            lines += ["", "In bold: the best setting (" + d["best_by"] + ")." if d["best"] is not None
+                      else "No setting ran without a looping prompt."]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 TABLES = {
     "index": (None, index_table),
     "decode": (["decode"], decode_tables),
@@ -430,6 +463,7 @@ TABLES = {
     "perplexity": (["perplexity"], perplexity_tables),
     "serve": (["serve", "serve-steps", "serve-robustness"], serve_tables),
     "dsla-kernel": (["dsla-kernel"], dsla_kernel_tables),
+    "chat-quality": (["chat-quality"], chat_quality_tables),
 }
 
 
