@@ -3,7 +3,7 @@
 wider or longer beam buys. Greedy acceptance depends on the weights, not on the device, so any
 machine measures it; what a shape costs a pass is the device's (`hybrid tune` weighs both).
 
-    python -m benchmarks.beam_shapes --model mlx_hybrid/data/default --prompts 3 4x5 8x5 4x6 8x6 16x5
+    python -m benchmarks.beam_shapes --model path/to/model --prompts 3 4x5 8x5 4x6 8x6 16x5
 """
 
 import argparse

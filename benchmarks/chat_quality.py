@@ -24,7 +24,7 @@ default, with --temp / --top-p / --repetition-penalty, or with each setting of a
 --seed + 1000 s + i, so a rerun gives the same replies; greedy draws one. --sweep picks the setting
 with the highest agreement (accuracy without a teacher) among those with no looping prompt.
 
-    python -m benchmarks.chat_quality --model mlx_hybrid/data/default --teacher path/to/smollm2
+    python -m benchmarks.chat_quality --teacher path/to/SmolLM2-135M-Instruct.Q4_1.gguf --sweep   # the default model
     python -m benchmarks.chat_quality --model path/to/student --teacher path/to/smollm2 --sweep --limit 30
 """
 
@@ -35,6 +35,7 @@ import json
 import re
 import shlex
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,7 +45,7 @@ QUESTIONS = BENCH_DIR / "data" / "questions.jsonl"
 NGRAM = 4
 LOOP_LIMIT = 3  # a prompt loops when one 4-gram occurs more often than this
 LOOP_PROMPTS = 20
-SWEEP = dict(temp=(0.0, 0.3, 0.6), top_p=(0.9, 1.0), repetition_penalty=(1.0, 1.1, 1.2))
+SWEEP = dict(temp=(0.0, 0.3, 0.6), top_p=(0.9,), repetition_penalty=(1.0, 1.1, 1.2))
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -164,8 +165,8 @@ def answer_all(model, tokenizer, questions, setting: dict, samples: int, seed: i
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, required=True, help="the model directory to score")
-    p.add_argument("--teacher", type=Path, help="the reference model: agreement counts the questions it gets right (greedy)")
+    p.add_argument("--model", type=Path, help="the model directory to score (default: the embedded default model)")
+    p.add_argument("--teacher", type=Path, help="the reference model, a directory or a GGUF file: agreement counts the questions it gets right (greedy)")
     p.add_argument("--name", help="the model's name in the result (default: its directory's name)")
     p.add_argument("--questions", type=Path, default=QUESTIONS)
     p.add_argument("--limit", type=int, help="only the first N questions (the loop prompts among them)")
@@ -183,13 +184,25 @@ def main(argv=None) -> int:
     if args.samples < 1 or args.max_tokens < 1 or (args.limit is not None and args.limit < 1):
         p.error("--samples, --max-tokens and --limit must be >= 1")
     questions = load_questions(args.questions)[: args.limit]
+    with tempfile.TemporaryDirectory() as tmp:
+        return run(args, argv, questions, Path(tmp))
+
+
+def run(args, argv, questions, tmp: Path) -> int:
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from benchmarks.index import render_file
+    from benchmarks.perplexity import teacher_dir
     from benchmarks.run import device_description, slugify
+    from mlx_hybrid.default_model import default_model_path
     from mlx_hybrid.loader import load
+
+    if args.model is None:
+        args.model, args.name = default_model_path(), args.name or "default"
+    if args.teacher is not None and args.teacher.suffix == ".gguf":
+        args.teacher = teacher_dir(args.teacher, tmp)
 
     console = Console(stderr=True)
     device = device_description()

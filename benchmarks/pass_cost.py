@@ -19,7 +19,7 @@ decode step and passes in 5 rounds, each split into the host's building, dispatc
 (a loop that waits is bound by the device, one that does not by the host).
 
     python -m benchmarks.pass_cost benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes | --split]
-    python -m benchmarks.pass_cost mlx_hybrid/data/default
+    python -m benchmarks.pass_cost path/to/model
 """
 import argparse, sys, time, json
 from pathlib import Path

@@ -17,7 +17,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 
 from mlx_hybrid.convert.gguf import check_tensors, quantization_config, read_config
 from mlx_hybrid.convert.publish import save_safetensors, staged

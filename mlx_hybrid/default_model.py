@@ -40,7 +40,7 @@ def _shipped_digest() -> str:
     """A digest of the package data: a new release (other weights) builds into a new directory."""
     missing = [name for name in SHIPPED if not (PATH / name).is_file()]
     if missing:
-        raise HybridError(f"the embedded default model is incomplete in this install ({PATH / missing[0]} is missing): "
+        raise HybridError(f"the embedded default model is missing from this install ({PATH / missing[0]} not found): "
                           "reinstall mlx-hybrid, or pass --model DIR")
     h = hashlib.sha256()
     for name in SHIPPED:

@@ -1,9 +1,17 @@
+import atexit
 import importlib
 import os
+import shutil
+import tempfile
 
 # MLX's CUDA backend multiplies float32 in TF32 unless told not to (MLX_ENABLE_TF32): the
 # float32 GPU parity tests compare kernels against float32 arithmetic, not TF32's 10-bit mantissa.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# The default model is built at first use into the user's cache: the tests build it once, into
+# their own (subprocesses inherit it), and leave the user's alone.
+if "MLX_HYBRID_CACHE" not in os.environ:
+    os.environ["MLX_HYBRID_CACHE"] = tempfile.mkdtemp(prefix="mlx-hybrid-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MLX_HYBRID_CACHE"], ignore_errors=True)
 
 import mlx.core as mx
 import pytest

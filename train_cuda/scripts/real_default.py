@@ -3,7 +3,8 @@ attention layers stay the teacher's (frozen), with a ReDrafter drafter on the te
 `hybrid chat`'s embedded default, of which only the trained parts ship (docs/models.md).
 
     python train_cuda/scripts/real_default.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--settings YAML] [--tiny] [--resume]
-    python -m mlx_hybrid.convert.default_model OUT/student/model OUT/redrafter/redrafter mlx_hybrid/data/default --teacher TEACHER.gguf
+    hybrid convert OUT/student/model OUT/q8 -q --bits 8 --group-size 64 --dtype float16 --redrafter OUT/redrafter/redrafter
+    python -m mlx_hybrid.convert.default_model OUT/q8 TEACHER.gguf GENERATION_CONFIG.json mlx_hybrid/data/default --force
 
 With `--settings configs/real_hybrid_target.yaml` the same stages make the speed benchmark's hybrid
 target instead (MLPs frozen only, its own drafter LM head); a settings file may also shrink the
