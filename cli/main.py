@@ -61,9 +61,10 @@ def _load(model_dir: Optional[Path]):
     """(model, tokenizer, its directory): model_dir (a directory or Hub repo id), or the embedded
     default model's."""
     from mlx_hybrid.hub import resolve
-    from mlx_hybrid.loader import default_model_dir, load
+    from mlx_hybrid.default_model import default_model_path
+    from mlx_hybrid.loader import load
 
-    model_dir = default_model_dir() if model_dir is None else resolve(model_dir)
+    model_dir = default_model_path() if model_dir is None else resolve(model_dir)
     with err.status(f"Loading {model_dir} ..."):
         return (*load(model_dir), model_dir)
 

@@ -176,22 +176,15 @@ def load_tokenizer(path: str | Path, eos_token_ids=None, base_model_type: str | 
         raise HybridError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
 
 
-def default_model_dir() -> Path:
-    """The embedded default model's directory (`default_model.default_model_path`); a HybridError
-    when this install lacks it."""
-    from mlx_hybrid.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        raise HybridError(str(e)) from None
-
-
 def load(path: str | Path | None = None, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     """Model and tokenizer from a model directory (config.json + *.safetensors + tokenizer files),
     or, path None, the embedded default model's (what `hybrid chat` runs without --model).
     The folder is data: one asking to run code (auto_map) is refused before anything is read."""
-    path = default_model_dir() if path is None else Path(path)
+    if path is None:
+        from mlx_hybrid.default_model import default_model_path
+
+        path = default_model_path()
+    path = Path(path)
     refuse_remote_code(path)
     model = load_model(path, dtype)
     config = load_config(path)

@@ -23,9 +23,6 @@ def test_load_without_a_path_is_the_default_model(monkeypatch, tiny_dir, call):
 
 
 def test_missing_default_model_is_a_hybrid_error(monkeypatch, tmp_path):
-    def missing():
-        raise FileNotFoundError(f"the embedded default model is missing from this install ({tmp_path})")
-
-    monkeypatch.setattr("mlx_hybrid.default_model.default_model_path", missing)
+    monkeypatch.setattr("mlx_hybrid.default_model.PATH", tmp_path / "gone")
     with pytest.raises(HybridError, match="embedded default model is missing"):
         mlx_hybrid.load()
