@@ -35,7 +35,7 @@ def test_a_benchmark_prints_its_table_from_any_folder(tmp_path):
     it in an --out folder (not a result of ours) is no concern of it."""
     from benchmarks.index import render_file
 
-    name = "serve-steps-embedded-default-cpu-linux-x86-64-2-cores.json"
+    name = "serve-steps-default-v1-cpu-linux-x86-64-2-cores.json"
     (tmp_path / name).write_text((ROOT / "benchmarks" / "results" / name).read_text())
     (tmp_path / "notes.json").write_text("{}")
-    assert render_file(tmp_path / name).startswith("#### embedded default, CPU (Linux x86_64, 2 cores)")
+    assert render_file(tmp_path / name).startswith("#### default-v1 (the previous embedded default), CPU (Linux x86_64, 2 cores)")
