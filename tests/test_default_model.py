@@ -18,6 +18,7 @@ from mlx_hybrid.default_model import PATH, default_model_path
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.generate import stream_generate
 from mlx_hybrid.loader import load, load_weights
+from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative import load_proposer
 from mlx_hybrid.validate import read_json_object
 
@@ -96,20 +97,28 @@ def test_an_interrupted_build_leaves_no_model_behind(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no directory, no staging left
 
 
+def test_packing_a_build_gives_back_the_package_data(built, tmp_path):
+    """The packer (`convert.default_model`) keeps exactly what the build took from the package:
+    from a built model it writes the shipped tensors and config again."""
+    from mlx_hybrid.convert.default_model import pack
+
+    gguf = default_model.teacher_gguf(read_json_object(PATH / default_model.TEACHER))
+    out = tmp_path / "packed"
+    pack(built, gguf, PATH / "generation_config.json", out)
+    ours, shipped = mx.load(str(out / default_model.TRAINED)), mx.load(str(PATH / default_model.TRAINED))
+    assert set(ours) == set(shipped) and all(mx.array_equal(ours[k], shipped[k]) for k in shipped)
+    assert read_json_object(out / "config.json") == read_json_object(PATH / "config.json")
+    assert read_json_object(out / default_model.TEACHER) == read_json_object(PATH / default_model.TEACHER)
+
+
 def test_default_model_speculative_greedy_equals_plain_greedy(loaded, built):
     """Its drafter only speeds decoding up: greedy output with it is plain greedy output, token for token."""
     model, tokenizer = loaded
     prompt = ChatSession(model, tokenizer).render([{"role": "user", "content": "Give me three tips for staying healthy."}])
-    plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, sampling=_greedy())]
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, sampling=SamplingParams(temp=0.0))]
     proposer = load_proposer("redrafter", model, built)
-    drafted = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, sampling=_greedy(), speculator=proposer)]
+    drafted = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, sampling=SamplingParams(temp=0.0), speculator=proposer)]
     assert len(plain) == 24 and drafted == plain
-
-
-def _greedy():
-    from mlx_hybrid.sampling import SamplingParams
-
-    return SamplingParams(temp=0.0)
 
 
 def test_the_default_chat_answers_and_does_not_loop(loaded):
