@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Regenerate the tables of benchmarks/README.md from the result files in benchmarks/results/.
+"""Regenerate the tables of benchmarks/README.md (and the training-scaling table of
+train_cuda/README.md) from the result files in benchmarks/results/.
 
 Benchmarks write only their result files (JSON, and a PNG beside some); the README's tables are
 this script's, between `<!-- table:NAME -->` and `<!-- /table:NAME -->`: the index of every result
@@ -60,6 +61,7 @@ KINDS = {
     "train-heads": "train_cuda/scripts/real_heads.py",
     "train-hybrid-target": "train_cuda/scripts/real_default.py --settings train_cuda/configs/real_hybrid_target.yaml",
     "train-default": "train_cuda/scripts/real_default.py",
+    "train-scaling": "train_cuda/scripts/scaling.py",
     "perplexity": "benchmarks/perplexity.py",
 }
 
@@ -351,6 +353,36 @@ def training_tables(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def scaling_tables(results: list[Result]) -> str:
+    """train_cuda/scripts/scaling.py: tokens/s and peak memory per GPU, each run against the run on
+    one GPU (scaling efficiency: tokens/s per GPU over the one GPU's tokens/s)."""
+    out = []
+    for r in results:
+        d, s = r.data, r.data["settings"]
+        base = next((x for x in d["runs"] if x["gpus"] == 1 and "error" not in x), None)
+        lines = [f"#### {d['shape']} (random weights), {r.device} ({r.date}): `{show_command(d['command'])}`", "",
+                 f"{s['per_gpu']} x {s['seq_len']} tokens a GPU a step, freeze {s['freeze']}"
+                 + (", activation checkpointing" if s["grad_checkpointing"] else "")
+                 + f"; tokens/s over steps {s['warmup'] + 1}-{s['steps']}.", "",
+                 "| parallel | GPUs | teacher | tokens/s | tokens/s per GPU | scaling efficiency | peak GiB per GPU |",
+                 "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+        notes = []
+        for x in d["runs"]:
+            name = "one GPU" if x["gpus"] == 1 else x["parallel"]
+            if "command" in x:  # measured by another command than the file's
+                notes += [x["command"]] if x["command"] not in notes else []
+                name += f" ({notes.index(x['command']) + 1})"
+            if "error" in x:
+                lines.append(f"| {name} | {x['gpus']} | {x['teacher']} | {x['error']} | | | |")
+                continue
+            per = x["tokens_per_s"] / x["gpus"]
+            eff = f"{per / base['tokens_per_s']:.0%}" if base else "-"
+            lines.append(f"| {name} | {x['gpus']} | {x['teacher']} | {x['tokens_per_s']:,.0f} | {per:,.0f} | {eff} | {x['peak_gib']:.1f} |")
+        lines += [""] + [f"({i}) `{show_command(c)}`" for i, c in enumerate(notes, 1)] + ([""] if notes else [])
+        out.append("\n".join(lines + png_link(r, f"{d['shape']} scaling")).rstrip())
+    return "\n\n".join(out)
+
+
 def serve_tables(results: list[Result]) -> str:
     out = []
     for r in results:
@@ -460,6 +492,7 @@ TABLES = {
     "graph-ops": (["graph-ops"], graph_tables),
     "tune": (["tune"], tune_tables),
     "training": (["train-heads", "train-hybrid-target", "train-default"], training_tables),
+    "training-scaling": (["train-scaling"], scaling_tables),
     "perplexity": (["perplexity"], perplexity_tables),
     "serve": (["serve", "serve-steps", "serve-robustness"], serve_tables),
     "dsla-kernel": (["dsla-kernel"], dsla_kernel_tables),
@@ -478,13 +511,20 @@ def render_file(path: Path) -> str:
     return next(fn([r]) for kinds, fn in TABLES.values() if kinds and r.kind in kinds)
 
 
-def regenerate(text: str, results: list[Result]) -> str:
-    for name in TABLES:
+# Other files that show some of the tables (relative links there point into benchmarks/).
+ALSO = {ROOT / "train_cuda" / "README.md": ["training-scaling"]}
+
+
+def regenerate(text: str, results: list[Result], names=TABLES, path: Path = README) -> str:
+    for name in names:
         start, end = f"<!-- table:{name} -->", f"<!-- /table:{name} -->"
         pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
         if not pattern.search(text):
-            raise SystemExit(f"error: {README} has no {start} ... {end} markers")
-        text = pattern.sub(lambda _: f"{start}\n{render(name, results)}\n{end}", text, count=1)
+            raise SystemExit(f"error: {path} has no {start} ... {end} markers")
+        table = render(name, results)
+        if path.parent != BENCH_DIR:
+            table = table.replace("](results/", "](../benchmarks/results/")
+        text = pattern.sub(lambda _: f"{start}\n{table}\n{end}", text, count=1)
     return text
 
 
@@ -493,17 +533,19 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="only compare; exit 1 if the README is stale")
     p.add_argument("--readme", type=Path, default=README)
     args = p.parse_args(argv)
-    text = args.readme.read_text()
-    new = regenerate(text, load_results())
-    if args.check:
-        if new != text:
-            print(f"{args.readme} is stale: run python -m benchmarks.index", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        args.readme.write_text(new)
-        print(f"updated {args.readme}")
-    return 0
+    results, stale = load_results(), 0
+    for path, names in [(args.readme, TABLES), *ALSO.items()]:
+        text = path.read_text()
+        new = regenerate(text, results, names, path)
+        if new == text:
+            continue
+        if args.check:
+            print(f"{path} is stale: run python -m benchmarks.index", file=sys.stderr)
+            stale = 1
+        else:
+            path.write_text(new)
+            print(f"updated {path}")
+    return stale
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def medusa2(cfg: Medusa2Config, resume: bool = False):
         return kl + cfg.lambda0 * heads_loss, {"kl": kl.detach(), **parts}
 
     began = time.time()
-    model = train(cfg, model, examples, loss_fn, resume, env, label=f"medusa-2 ({cfg.num_heads} heads)", groups=groups)
+    model = train(cfg, model, examples, loss_fn, resume, env, label=f"medusa-2 ({cfg.num_heads} heads)", groups=groups,
+                  frozen=(original,))
     if env.main:
         save_model(model.base, Path(cfg.out) / "model", load_tokenizer(cfg.base))
         save_heads(model.heads, model.heads.config(), Path(cfg.out) / "model" / "medusa")

@@ -250,7 +250,7 @@ def distill(cfg: DistillConfig, resume: bool = False):
         return distill_loss(_logits(model, batch), target, batch["labels"], cfg.alpha, cfg.beta)
 
     label = f"distill {kinds.count('attention')}/{n} attention" + (f", vocabulary {len(student_tokenizer)}" if cfg.vocab_size else "")
-    student = train(cfg, student, examples, loss_fn, resume, env, label=label)
+    student = train(cfg, student, examples, loss_fn, resume, env, label=label, frozen=(teacher,))
     if env.main:
         save_hybrid(student, Path(cfg.out) / "model", student_tokenizer)
     env.barrier()
@@ -296,7 +296,8 @@ def dpo(cfg: DPOConfig, resume: bool = False):
         half = len(logp) // 2
         return dpo_loss(logp[:half], logp[half:], ref[:half], ref[half:], cfg.beta)
 
-    student = train(cfg, student, examples, loss_fn, resume, env, collate_fn=collate_pairs, label="dpo")
+    student = train(cfg, student, examples, loss_fn, resume, env, collate_fn=collate_pairs, label="dpo",
+                    frozen=(reference,))
     if env.main:
         save_hybrid(student, Path(cfg.out) / "model", tokenizer)
     env.barrier()
@@ -339,7 +340,8 @@ def dsla(cfg: DSLAConfig, resume: bool = False):
             loss, parts = distill_loss(_logits(model, batch), target, batch["labels"], alpha=0.0, beta=1.0)
             return loss + cfg.lam * mixer.similarity, {**parts, "gate_similarity": mixer.similarity.detach()}
 
-        student = train(phase_cfg, student, examples, loss_fn, resume, env, label=f"dsla layer {layer} ({phase + 1}/{len(order)})")
+        student = train(phase_cfg, student, examples, loss_fn, resume, env,
+                        label=f"dsla layer {layer} ({phase + 1}/{len(order)})", frozen=(teacher,))
         if env.main:
             save_hybrid(student, done, tokenizer)
         env.barrier()

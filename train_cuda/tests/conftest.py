@@ -95,3 +95,15 @@ def prompts(tmp_path_factory) -> Path:
 def write_config(path: Path, **cfg) -> Path:
     path.write_text(json.dumps(cfg, indent=1))
     return path
+
+
+@pytest.fixture(scope="session")
+def labels(teacher_dir, prompts, tmp_path_factory) -> Path:
+    """The tiny teacher's greedy answers to `prompts`: distillation data."""
+    from hybrid_train.__main__ import main
+
+    tmp = tmp_path_factory.mktemp("pl")
+    cfg = write_config(tmp / "pl.json", teacher=str(teacher_dir), prompts=str(prompts), out=str(tmp / "labels.jsonl"),
+                       max_new_tokens=20, batch_size=4, chat=True)
+    assert main(["pseudo-labels", "--config", str(cfg)]) == 0
+    return tmp / "labels.jsonl"

@@ -36,15 +36,6 @@ def losses(out: Path, key="loss") -> list[float]:
     return [json.loads(line)[key] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="session")
-def labels(teacher_dir, prompts, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pl")
-    cfg = write_config(tmp / "pl.json", teacher=str(teacher_dir), prompts=str(prompts), out=str(tmp / "labels.jsonl"),
-                       max_new_tokens=20, batch_size=4, chat=True)
-    assert run("pseudo-labels", cfg) == 0
-    return tmp / "labels.jsonl"
-
-
 def test_pseudo_labels_are_the_teachers_greedy_answers(labels, teacher_dir, prompts):
     rows = [json.loads(line) for line in labels.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == prompts.read_text().split("\n")[:-1]
