@@ -145,3 +145,20 @@ def test_bad_parallel_settings_fail_in_one_line(tmp_path, teacher_dir, labels, c
                        **{key: value})
     assert main(["distill", "--config", str(cfg)]) == 1
     assert capsys.readouterr().err.strip() == f"error: {message}, got '{value}'"
+
+
+def test_scaling_script_counts_every_process_tokens(tmp_path):
+    """scripts/scaling.py on the CPU: each run's log counts the tokens of all its processes (2 a
+    process of 32 tokens each), and the report, table and plot hold every run."""
+    out = tmp_path / "s"
+    cmd = [sys.executable, str(ROOT / "scripts" / "scaling.py"), "--shape", "tiny", "--runs", "ddp:1,fsdp:2:shard", "--per-gpu", "2",
+           "--micro", "1", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--out", str(out)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for run, processes in (("ddp-1", 1), ("fsdp-2-shard", 2)):
+        rows = [json.loads(line) for line in (out / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["tokens"] for r in rows] == [2 * 32 * processes] * 3
+    report = json.loads((out / "scaling.json").read_text())
+    assert [(r["parallel"], r["gpus"], r["teacher"]) for r in report["runs"]] == [("ddp", 1, "replicated"), ("fsdp", 2, "sharded")]
+    assert all(r["tokens_per_s"] > 0 for r in report["runs"]) and (out / "scaling.png").is_file()
+    assert "| fsdp | 2 | sharded |" in (out / "scaling.md").read_text()

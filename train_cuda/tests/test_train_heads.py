@@ -16,6 +16,7 @@ ATOL 1e-4 (measured max |diff| 1.7e-6 for heads, 3.3e-6 for the drafter, logits 
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -345,3 +346,25 @@ def test_real_heads_script(tmp_path, teacher_dir, article_corpus):
     assert (out / "medusa1" / "medusa" / "config.json").is_file() and (out / "redrafter" / "redrafter" / "config.json").is_file()
     assert (out / "medusa2" / "model" / "medusa" / "config.json").is_file()
     assert 0 <= report["draft"]["top1"] <= 1 and (out / "draft" / "draft" / "config.json").is_file()
+
+
+def test_medusa2_under_fsdp_equals_one_process(tmp_path, teacher_dir, greedy):
+    """Sharded over two processes (gloo), Medusa-2 keeps its parameter groups (heads and backbone at
+    their own lr, the backbone's schedule starting late) and shards the frozen original: it ends
+    with the one-process run's heads and backbone, up to the order of float32 sums (tolerance as in
+    test_train_fsdp.py)."""
+    common = dict(base=str(teacher_dir), data=str(greedy), eval_data=str(greedy), steps=4, batch_size=4, micro_batch=1,
+                  lr=1e-3, backbone_lr=1e-3, save_every=2, seed=7, num_heads=2, heads_warmup=2, parallel="fsdp",
+                  teacher_sharding="shard")
+    assert run("medusa2", write_config(tmp_path / "one.json", out=str(tmp_path / "one"), **common)) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "hybrid_train", "medusa2",
+           "--config", str(write_config(tmp_path / "two.json", out=str(tmp_path / "two"), **common))]
+    done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for sub in ("model/medusa", "model"):
+        a, b = load_file(tmp_path / "one" / sub / "model.safetensors"), load_file(tmp_path / "two" / sub / "model.safetensors")
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=0)
+    assert json.loads((tmp_path / "two" / "report.json").read_text())["heldout"]["top1"]
