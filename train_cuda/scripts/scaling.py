@@ -1,7 +1,7 @@
 """How `distill` scales over the GPUs of one host: the same distillation (a 50% Mamba2 student of a
 Llama teacher, KL + NLL on 512-token sequences) on 1, 2 and 4 GPUs with DDP and FSDP, as tokens/s
-per GPU, scaling efficiency and the peak memory a GPU held, in one table (--out/scaling.json,
-scaling.md, scaling.png).
+per GPU, scaling efficiency and the peak memory a GPU held, in one table
+(OUT/train-scaling-SHAPE.json and .png, the table printed as benchmarks/README.md shows it).
 
     python train_cuda/scripts/scaling.py --shape llama-3.2-1b --runs ddp:1,ddp:2,ddp:4,fsdp:2,fsdp:4 --out OUT
     python train_cuda/scripts/scaling.py --shape llama-3.2-3b --freeze none --grad-checkpointing \
@@ -131,19 +131,6 @@ def run(args, teacher: Path, data: Path, spec: str) -> dict:
     return {**row, **measure(out, args.warmup)}
 
 
-def table(rows: list[dict], base: dict | None) -> str:
-    lines = ["| run | GPUs | teacher | tokens/s | tokens/s per GPU | scaling efficiency | peak GiB per GPU |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['parallel']} | {r['gpus']} | {r['teacher']} | {r['error']} | | | |")
-            continue
-        per = r["tokens_per_s"] / r["gpus"]
-        eff = f"{per / (base['tokens_per_s']):.0%}" if base else "-"
-        lines.append(f"| {r['parallel']} | {r['gpus']} | {r['teacher']} | {r['tokens_per_s']:,.0f} | {per:,.0f} | {eff} | {r['peak_gib']:.1f} |")
-    return "\n".join(lines)
-
-
 def plot(rows: list[dict], path: Path, title: str):
     import matplotlib
 
@@ -191,16 +178,20 @@ def main() -> int:
     for spec in args.runs.split(","):
         rows.append(run(args, teacher, data, spec))
         print(json.dumps(rows[-1]), flush=True)
-    base = next((r for r in rows if r["gpus"] == 1 and "error" not in r), None)
     title = (f"distill, {args.shape} (random weights), {args.per_gpu} x {args.seq_len} tokens a GPU a step, "
              f"freeze {args.freeze}{', activation checkpointing' if args.grad_checkpointing else ''}")
     report = {"shape": args.shape, "device": device(), "date": date.today().isoformat(), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
               "command": " ".join(["python", "train_cuda/scripts/scaling.py", *sys.argv[1:]]).replace(str(args.out), "OUT"),
               "runs": rows}
-    (args.out / "scaling.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "scaling.md").write_text(f"{title}\n\n{table(rows, base)}\n")
-    plot(rows, args.out / "scaling.png", title)
-    print(table(rows, base))
+    # Named as benchmarks/results/ names them (add the device: -nvidia-h100), and printed as its
+    # README shows them (benchmarks/index.py).
+    result = args.out / f"train-scaling-{args.shape}.json"
+    result.write_text(json.dumps(report, indent=1) + "\n")
+    plot(rows, result.with_suffix(".png"), title)
+    sys.path.insert(0, str(ROOT.parent))
+    from benchmarks.index import render_file
+
+    print(render_file(result))
     return 0
 
 
