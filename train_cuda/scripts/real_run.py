@@ -1,7 +1,7 @@
 """The real run: pseudo-labels -> 50% hybrid -> 25% hybrid, and perplexity of teacher and students
 on held-out text (the shape of "The Mamba in the Llama" Table 6: the ratio to the teacher).
 
-    python train_cuda/scripts/real_run.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--settings YAML] [--tiny] [--resume]
+    python train_cuda/scripts/real_run.py --teacher TEACHER --corpus CORPUS_DIR --out OUT [--settings YAML] [--tiny] [--resume] [--gpus N]
 
 TEACHER: a Hugging Face Llama/Mistral directory, or a .gguf file (converted once into OUT/teacher;
 needs the gguf and accelerate packages). CORPUS_DIR: train.txt and heldout.txt, one document a
@@ -61,12 +61,19 @@ def head_dim(model: Path) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
+# GPUs of this host the training and labelling stages run on (--gpus), one process each, under torchrun.
+GPUS = 1
+
+
 def stage(name: str, cfg: dict, out: Path, resume: bool, timings: dict, kind: str | None = None):
-    """Run `python -m hybrid_train KIND` (KIND defaults from the name) on cfg, timing it under name."""
+    """Run `python -m hybrid_train KIND` (KIND defaults from the name) on cfg, timing it under name;
+    with --gpus N every stage but perplexity (one process reads the held-out text quickly) runs
+    under `torchrun --standalone --nproc_per_node=N` (DDP or FSDP: the config's `parallel`)."""
     path = out / "configs" / f"{name}.json"
     path.write_text(json.dumps(cfg, indent=1) + "\n")
     kind = kind or ("distill" if name.startswith("distill") else name)
-    cmd = [sys.executable, "-m", "hybrid_train", kind, "--config", str(path)] + (["--resume"] if resume else [])
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={GPUS}"] if GPUS > 1 and kind != "perplexity" else []
+    cmd = [sys.executable, *launch, "-m", "hybrid_train", kind, "--config", str(path)] + (["--resume"] if resume else [])
     began = time.time()
     subprocess.run(cmd, check=True, cwd=HERE.parent)
     timings[name] = round(time.time() - began, 1)
@@ -89,6 +96,7 @@ def parse_args(doc: str, base: str) -> argparse.Namespace:
     parser.add_argument("--settings", type=Path, help="a settings file in place of the script's own (configs/)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU test")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs of this host to train and label on (torchrun)")
     return parser.parse_args()
 
 
@@ -96,7 +104,9 @@ def script_main(doc: str, base: str, run) -> int:
     """A real-run script's main: its command line (`parse_args`), then run(args), with a
     TrainError as one line on stderr and a failed stage's exit status (it printed its own error).
     The script puts hybrid_train on sys.path."""
+    global GPUS
     args = parse_args(doc, base)
+    GPUS = args.gpus
     from transformers.utils import logging
 
     from hybrid_train.errors import TrainError

@@ -1,6 +1,7 @@
 """scripts/real_default.py end to end on the CPU: tiny random teacher, tiny corpus, --tiny sizes."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,13 +45,16 @@ def test_real_default_script(tmp_path, teacher_dir, article_corpus):
 
 def test_real_default_script_with_the_hybrid_target_settings(tmp_path, teacher_dir, article_corpus):
     """--settings: configs/real_hybrid_target.yaml runs the same stages with its own settings (one
-    news sample a window, the teacher's MLPs frozen in the student); --tiny still shrinks them."""
+    news sample a window, the teacher's MLPs frozen in the student); --tiny still shrinks them.
+    --gpus 2: the labelling and training stages run as two processes (torchrun, gloo)."""
     out = tmp_path / "out"
     settings = ROOT / "configs" / "real_hybrid_target.yaml"
     cmd = [sys.executable, str(ROOT / "scripts" / "real_default.py"), "--teacher", str(teacher_dir),
-           "--corpus", str(article_corpus), "--out", str(out), "--settings", str(settings), "--tiny"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+           "--corpus", str(article_corpus), "--out", str(out), "--gpus", "2", "--settings", str(settings), "--tiny"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
+    for trained in ("student", "redrafter"):
+        assert torch.load(out / trained / "checkpoint.pt", weights_only=False)["world"] == 2
     assert len((out / "news.jsonl").read_text().splitlines()) == 8  # 1 sample of each of the 8 windows
     assert json.loads((out / "configs" / "student.json").read_text())["freeze"] == ["mlp"]
     assert len(json.loads((out / "report.json").read_text())["redrafter"]["top1"]) == 2
