@@ -114,13 +114,16 @@ def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draf
     settings (`mlx_hybrid.profiles`). Without --speculative: the method a `hybrid tune` profile
     found fastest here, or None (plain decoding)."""
     from mlx_hybrid.hub import resolve
-    from mlx_hybrid.profiles import profile_choice, settings_for
+    from mlx_hybrid.models import linear
+    from mlx_hybrid.profiles import profile_choice, row_limits, settings_for
 
     if method is None:
         method = profile_choice(model_dir, target)
         if method is None:
             return None
     from mlx_hybrid.speculative import load_proposer
+
+    linear.LIMITS.update(row_limits(model_dir, target))  # which products of a pass take the row kernel
 
     settings = settings_for(method, model_dir, target) if method in ("medusa", "redrafter") else None
     with err.status(f"Loading the {method} speculator ..."):

@@ -9,6 +9,9 @@ verification work that a small GPU pays for in full. Chips the paper did not mea
 of the measured chip closest in GPU cores below them (M1 Ultra and M2 Max sit between the two and get
 2). The paper varies the width at one beam length; the presets keep the drafters' default length 4.
 A Medusa tree gets as many candidates as the preset beam verifies, BW * (BL - 1).
+
+On MLX's CUDA backend a profile also holds, per projection weight shape, the most rows of a pass
+the row kernel takes (`row_limits`, into `mlx_hybrid.models.linear.LIMITS`).
 """
 
 import hashlib
@@ -160,6 +163,15 @@ def check_profile(profile: dict, path: Path, model_dir: Path, model=None):
     if medusa.get("medusa_choices") is not None:
         heads = read_json_object(model_dir / "medusa" / "config.json").get("medusa_num_heads")
         check_choices(medusa["medusa_choices"], heads, model, f"{path}")
+    from mlx_hybrid.models.linear import ROWS
+
+    limits = profile.get("row_limits", {})
+    if not isinstance(limits, dict):
+        raise HybridError(f"{path}: 'row_limits' must map weight shapes NxK to their measurements")
+    for shape, row in limits.items():
+        limit = row.get("limit") if isinstance(row, dict) else None
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", str(shape)) or not isinstance(limit, int) or not 0 <= limit <= ROWS:
+            raise HybridError(f"{path}: row_limits needs NxK: {{'limit': 0..{ROWS}}}, got {shape!r}: {row!r}")
 
 
 def chip_preset(device: str) -> tuple[str, int] | None:
@@ -186,6 +198,14 @@ def settings_for(method: str, model_dir: str | Path | None, model=None) -> Setti
     if method == "medusa":
         return Settings(tree_size=width * (PRESET_BEAM_LENGTH - 1), source=f"{chip} preset")
     return Settings(width, PRESET_BEAM_LENGTH, source=f"{chip} preset")
+
+
+def row_limits(model_dir: str | Path | None, model=None) -> dict[tuple[int, int], int]:
+    """The most rows the row kernel takes per weight shape, as this device's profile measured them
+    (`mlx_hybrid.models.linear.LIMITS`, which a verification pass reads); {} without a profile."""
+    found = load_profile(model_dir, model) if model_dir is not None else None
+    limits = found[0].get("row_limits", {}) if found else {}
+    return {tuple(int(d) for d in shape.split("x")): row["limit"] for shape, row in limits.items()}
 
 
 def profile_choice(model_dir: str | Path | None, model=None) -> str | None:

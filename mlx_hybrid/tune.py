@@ -12,6 +12,10 @@ beam width 1 was best on an M1 Max, 3-4 on an M2 Ultra). The tuner measures, her
    tree of each size has a known expected length (Medusa section 3.3.1);
 3. the drafting cost of each setting;
 
+On MLX's CUDA backend it first measures, for each projection weight shape of the model, the row
+kernel against MLX's matmul at every candidate count, and keeps in the profile the most rows the
+kernel should take for that shape (`linear.LIMITS`; the verification cost is then measured with
+those limits, so the same cost model holds at every model size). Then it
 predicts tokens/s = T / (t(n) + drafting) for every setting, then runs the best predicted settings,
 the defaults and plain decoding end to end on the prompts and keeps the fastest measured (so host
 overheads the model leaves out cannot pick a loser). The result is a profile
@@ -30,6 +34,8 @@ import numpy as np
 from mlx_hybrid.cache import commit
 from mlx_hybrid.decode import generate_step, prefill
 from mlx_hybrid.errors import HybridError
+from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.models import linear
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.profiles import Settings, device_name, model_key
 from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
@@ -73,12 +79,43 @@ def _median_seconds(fn, reps: int) -> float:
 
 def stages(methods: list[str]) -> list[str]:
     """The stages `tune` reports progress for, in order."""
-    return (["verification cost", "greedy runs"] + ["beam acceptance", "drafting cost"] * ("redrafter" in methods)
+    return (["projection cost"] * (kernel_backend() == "cuda") + ["verification cost", "greedy runs"] + ["beam acceptance", "drafting cost"] * ("redrafter" in methods)
             + ["tree cost"] * ("medusa" in methods) + ["end-to-end runs"])
 
 
 def binary_tree(n: int) -> TreeMask:
     return TreeMask.from_parents([-1] + [(t - 1) // 2 for t in range(1, n)])
+
+
+def projection_weights(model: nn.Module) -> dict[tuple[int, int], mx.array]:
+    """One weight of each shape (N, K) whose products over a pass's rows can take the row kernel:
+    the float `linear.Linear` layers' and, where the LM head is the embedding, the embedding's."""
+    found = {}
+    for _, m in model.named_modules():
+        if type(m) is linear.Linear or (type(m) is nn.Embedding and getattr(model.args, "tie_word_embeddings", False)):
+            found.setdefault(tuple(m.weight.shape), m.weight)
+    return found
+
+
+def row_limits(model: nn.Module, counts=COUNTS, reps: int = 5, chain: int = 10, progress=None) -> dict:
+    """For each projection shape, seconds of `chain` products over n rows (each n of counts from 2
+    to linear.ROWS) on the row kernel and on MLX's matmul, and the most rows the kernel should
+    take (`linear.row_limit`): {"NxK": {"n", "kernel", "matmul", "limit"}}. A chain, so that the
+    host's cost per launch counts as it does in a pass."""
+    counts = [n for n in counts if 1 < n <= linear.ROWS]
+    weights = projection_weights(model)
+    out = {}
+    for i, ((N, K), w) in enumerate(weights.items()):
+        times = {"kernel": [], "matmul": []}
+        for n in counts:
+            x = mx.random.normal((n, K), key=mx.random.key(n)).astype(w.dtype)
+            mx.eval(x)
+            for name, product in (("kernel", lambda: linear.row_matmul(x, w, backend="cuda")), ("matmul", lambda: x @ w.T)):
+                times[name].append(_median_seconds(lambda: mx.eval([product() for _ in range(chain)]), reps) / chain)
+        out[f"{N}x{K}"] = {"n": counts, **times, "limit": linear.row_limit(counts, times["kernel"], times["matmul"])}
+        if progress:
+            progress(i + 1, len(weights))
+    return out
 
 
 def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None) -> dict:
@@ -165,6 +202,10 @@ def tune(
     profile.update({"device": device_name(), "model": str(model_dir.resolve()), "model_key": model_key(model_dir),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "mlx": mx.__version__, "new_tokens": new_tokens,
                     "prompts": len(prompts), "stages": []})
+    if kernel_backend() == "cuda":
+        limits = profile["row_limits"] = row_limits(model, counts, progress=lambda d, t: report("projection cost", d, t))
+        linear.LIMITS.update({tuple(map(int, k.split("x"))): v["limit"] for k, v in limits.items()})
+        profile["stages"].append("projection cost")
     verify = verification_cost(model, counts, progress=lambda d, t: report("verification cost", d, t))
     profile["verification_seconds"] = verify
     profile["stages"].append("verification cost")

@@ -231,3 +231,20 @@ def test_fused_kernel_matches_reference(backend):
             got = linear.row_matmul(x, layer.weight, backend=backend, norm=norm if use_norm else None, gated=gated,
                                     residual=residual if use_residual else None)
         np.testing.assert_allclose(np.array(got), reference(use_norm, use_residual), atol=1e-4, rtol=1e-4, err_msg=f"{backend} gated={gated} norm={use_norm}")
+
+
+def test_row_limit_is_the_last_count_the_kernel_never_lost():
+    counts = [2, 4, 8, 16]
+    assert linear.row_limit(counts, [1, 2, 3, 9], [2, 2, 4, 5]) == 8  # a tie keeps the kernel
+    assert linear.row_limit(counts, [3, 1, 1, 1], [2, 2, 2, 2]) == 0  # lost at 2 rows: never the kernel
+    assert linear.row_limit(counts, [1, 1, 1, 1], [2, 2, 2, 2]) == 16
+
+
+def test_a_shapes_limit_sends_more_rows_to_the_matmul(monkeypatch):
+    """linear.LIMITS (a tuned profile's) caps the rows the kernel takes for that weight shape only."""
+    monkeypatch.setattr(linear, "kernel_backend", lambda: "cuda")
+    monkeypatch.setattr(linear, "load_kernel", lambda *a, **k: lambda **kw: [mx.zeros(kw["output_shapes"][0])])
+    monkeypatch.setattr(linear, "LIMITS", {(20, 64): 4})
+    x, w, other = mx.ones((5, 64)), mx.ones((20, 64)), mx.ones((21, 64))
+    assert linear.row_product(x, w) is None and linear.row_product(x[:4], w) is not None
+    assert linear.row_product(x, other) is not None  # untuned shape: up to ROWS

@@ -225,3 +225,25 @@ def test_interrupted_tune_keeps_the_finished_stages(monkeypatch, capsys, model_d
     code, _, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--new-tokens", 10, "--yes")
     assert code == 130 and "the complete profile from an earlier run stays" in err.replace("\n", "")
     assert json.loads(path.read_text()) == complete
+
+
+def test_row_limits_per_projection_shape_and_in_the_profile(monkeypatch, model_dir, cache_dir):  # noqa: F811
+    """On CUDA `tune` measures the row kernel against the matmul for each projection shape (here a
+    kernel that returns zeros stands in: the bookkeeping is under test, not the speed), and a
+    profile's limits come back as linear.LIMITS keys; malformed ones make the profile ignored."""
+    from mlx_hybrid.models import linear
+
+    monkeypatch.setattr(linear, "load_kernel", lambda *a, **k: lambda **kw: [mx.zeros(kw["output_shapes"][0])])
+    model, _ = load(model_dir)
+    limits = tune_module.row_limits(model, counts=(1, 2, 4), reps=1, chain=2)
+    assert set(limits) == {f"{n}x{k}" for n, k in tune_module.projection_weights(model)}
+    assert {(n, k) for n, k in tune_module.projection_weights(model)} >= {tuple(m.weight.shape) for _, m in model.named_modules()
+                                                                          if type(m) is linear.Linear}
+    assert all(r["n"] == [2, 4] and r["limit"] in (0, 2, 4) for r in limits.values())
+    path = profiles.profile_path(model_dir)
+    profile = {"best": {}, "choice": None, "row_limits": {"96x32": {"limit": 8}}}
+    profiles.save_profile(profile, path)
+    assert profiles.row_limits(model_dir) == {(96, 32): 8}
+    profiles.save_profile(profile | {"row_limits": {"96x32": {"limit": 1000}}}, path)
+    with pytest.warns(profiles.ProfileWarning, match="row_limits needs NxK"):
+        assert profiles.row_limits(model_dir) == {}

@@ -22,6 +22,12 @@ from mlx_hybrid.kernels import kernel_backend, load_kernel
 
 # The most rows the kernel takes; more go to nn.Linear's matmul.
 ROWS = 64
+# Per weight shape (N, K), the most rows the kernel takes for it, where `hybrid tune` measured
+# that MLX's matmul wins beyond (`mlx_hybrid.tune.row_limits`). The kernel reads the weight once
+# but each simdgroup takes its rows one after another, so its time grows with the rows;
+# cuBLASLt's is nearly flat plus a fixed host cost. Which wins at a count depends on the weight's
+# size and the device, so it is measured. Untuned shapes take up to ROWS.
+LIMITS: dict[tuple[int, int], int] = {}
 # Weight rows a threadgroup, and its simdgroups, which split the input rows between them.
 COLUMNS = 2
 WARPS = 8
@@ -86,9 +92,20 @@ def row_product(x: mx.array, w: mx.array, norm: nn.RMSNorm | None = None, gated:
     new warp share of rows (MW) builds the kernel for every weight shape, about a second each (a
     draft's 62-token prompt read took 6.6 s the first time on the H100 and 7 ms the next); a
     prompt is read once, so cuBLASLt's host time costs it little."""
-    if x.ndim != 2 or not 1 < x.shape[0] <= ROWS or kernel_backend() != "cuda" or x.dtype != w.dtype:
+    if x.ndim != 2 or not 1 < x.shape[0] <= LIMITS.get(tuple(w.shape), ROWS) or kernel_backend() != "cuda" or x.dtype != w.dtype:
         return None
     return row_matmul(x, w, backend="cuda", norm=norm, gated=gated, residual=residual)
+
+
+def row_limit(counts: list[int], kernel: list[float], matmul: list[float]) -> int:
+    """The most rows the row kernel should take for a weight, from its seconds and the matmul's
+    at each row count: the last count up to which the kernel never lost (0: it always lost)."""
+    limit = 0
+    for n, a, b in zip(counts, kernel, matmul):
+        if a > b:
+            break
+        limit = n
+    return limit
 
 
 def fused_project(layer: nn.Module, x: mx.array, norm: nn.RMSNorm | None = None, gated: bool = False,
