@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from statistics import median
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -190,21 +191,25 @@ def decode_tables(results: list[Result]) -> str:
 
 
 def speculative_tables(results: list[Result]) -> str:
-    lines = ["| model | device | method | decode tok/s | vs mlx-hybrid plain | tokens / target pass | ms / target pass | same tokens |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | :---: |"]
+    lines = ["| model | device | method | decode tok/s | vs mlx-hybrid plain | vs mlx-lm draft | tokens / target pass | ms / target pass | same tokens |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
     notes = []
     for r in results:
         d, a = r.data, r.data.get("args", {})
         model = re.sub(r"-(chat|news)$", "", r.model)  # the prompt set: in the notes below
+        peer = d["trials"].get("mlx-lm draft")
         for i, row in enumerate(d["rows"]):
             ms = 1000 * row["tokens_per_step"] / row["tps"]
+            # paired, as "vs mlx-hybrid plain" is: each trial against that trial's mlx-lm draft run
+            vs_peer = f"{median(t['tps'] / p['tps'] for t, p in zip(d['trials'][row['method']], peer)):.2f}x" if peer else "-"
             where = (f"{model}, {d['dtype']}", f"{r.device} ({r.date})") if i == 0 else ("", "")
-            lines.append(f"| {where[0]} | {where[1]} | {row['method']} | {row['tps']:.1f} | {row['speedup']:.2f}x | "
+            lines.append(f"| {where[0]} | {where[1]} | {row['method']} | {row['tps']:.1f} | {row['speedup']:.2f}x | {vs_peer} | "
                          f"{row['tokens_per_step']:.2f} | {ms:.2f} | {'yes' if row['same'] else 'no'} |")
         prompts = d.get("prompts") or (f"{a.get('prompt_tokens')} random prompt tokens" if a.get("synthetic") not in (None, "None")
                                        else f"each of {a.get('prompts')} held-out {a.get('prompt_set', 'chat')} prompts")
+        oracle = f"; oracle rows at per-depth acceptance {a['profile'].replace(',', ' / ')}" if a.get("oracle") == "True" else ""
         notes.append(f"- {model}, {r.device}: `{show_command(d['command'])}` ({a.get('gen_tokens')} tokens after {prompts}, "
-                     f"median of {a.get('trials')} trials" + (f"; [plot](results/{r.png.name})" if r.png else "") + ")")
+                     f"median of {a.get('trials')} trials{oracle}" + (f"; [plot](results/{r.png.name})" if r.png else "") + ")")
     return "\n".join(lines + [""] + notes)
 
 

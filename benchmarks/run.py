@@ -41,6 +41,9 @@ RUNTIME_NAMES = {"mlx_hybrid": "mlx-hybrid", "mlx_lm": "mlx-lm"}
 VARIANTS = ("fp16", "4bit")
 GROUP_SIZE = 64
 
+# Llama 3.2's long-context RoPE scaling (1B and 3B alike).
+LLAMA3_2_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
 # Real architectures' shapes (config.json as published on the Hub, classic rope_theta/rope_scaling keys).
 SYNTHETIC = {
     "smollm2-135m": dict(
@@ -66,14 +69,35 @@ SYNTHETIC = {
         vocab_size=128256,
         tie_word_embeddings=True,
         rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope_scaling=LLAMA3_2_ROPE,
         max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+    "llama-3.2-3b": dict(
+        hidden_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_2_ROPE,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
         rms_norm_eps=1e-5,
     ),
 }
@@ -189,45 +213,28 @@ def device_description() -> dict:
 
 
 def make_synthetic(name: str, dest: Path, seed: int) -> Path:
-    """A float16 Hugging Face Llama dir with random weights (normal, std 0.02) in `name`'s shape."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    """A float16 Hugging Face Llama dir with random weights (normal, std 0.02; norms 1) in `name`'s
+    shape. MLX draws them (a key per tensor from `seed`): transformers' initialization of an 8B
+    model takes minutes on a CPU. The tensors are named and shaped as mlx-lm's Llama has them,
+    which is the checkpoints' layout both runtimes load."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
 
     from tests.helpers.factories import make_tokenizer
 
     dest.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(dest)
-    shape = SYNTHETIC[name]
-    hf = dict(shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, hidden_act="silu")
-    if hf["rope_scaling"] is None:
-        hf.pop("rope_scaling")
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)
-    try:
-        model = LlamaForCausalLM(LlamaConfig(**hf))
-    finally:
-        torch.set_default_dtype(default)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, param in sorted(model.named_parameters()):
-            if param.dim() > 1:
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(param.dtype))
-            else:
-                param.fill_(1.0)
-    model.save_pretrained(dest)
-    del model
-    gc.collect()
-    # transformers 5 writes only "rope_parameters"; checkpoints on the Hub (and both runtimes) use
-    # rope_theta / rope_scaling, so write config.json the way the published models have it.
-    config = json.loads((dest / "config.json").read_text())
-    config.pop("rope_parameters", None)
-    config.update({k: v for k, v in hf.items() if v is not None})
-    config.update(model_type="llama", architectures=["LlamaForCausalLM"], torch_dtype="float16")
-    config.pop("dtype", None)
+    config = {k: v for k, v in SYNTHETIC[name].items() if v is not None}
+    config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, hidden_act="silu", model_type="llama",
+                  architectures=["LlamaForCausalLM"], torch_dtype="float16")
+    shapes = tree_flatten(Model(ModelArgs.from_dict(config)).parameters())  # lazy: nothing is allocated
+    keys = mx.random.split(mx.random.key(seed), len(shapes))
+    weights = {
+        k: mx.random.normal(p.shape, mx.float16, scale=0.02, key=key) if p.ndim > 1 else mx.ones(p.shape, mx.float16)
+        for (k, p), key in zip(shapes, keys)
+    }
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dest
 
@@ -573,7 +580,7 @@ def main(argv=None) -> int:
             if model_dir is None:
                 model_dir = work / f"{args.synthetic}-seed{args.seed}-hf"
                 if not (model_dir / "config.json").is_file():
-                    with console.status(f"building synthetic {args.synthetic} (random weights, transformers)…"):
+                    with console.status(f"building synthetic {args.synthetic} (random weights, MLX)…"):
                         make_synthetic(args.synthetic, model_dir, args.seed)
             variant_dirs = {}
             for variant in args.variants:

@@ -17,9 +17,14 @@ builds a random-weight target in a real shape, Medusa heads initialized as Medus
 training (ResBlocks zero, LM heads copies of the target's), a random drafter, and a draft made of
 the target's first --draft-layers layers: acceptance is then low and the numbers show overhead,
 not the speedup trained heads give. --medusa-sizes 16,24 adds a Medusa row per tree size and
---beam 4x5,2x5 a ReDrafter row per beam, side by side with the rest.
+--beam 4x5,2x5 a ReDrafter row per beam, side by side with the rest. --oracle adds, for each Medusa
+tree and ReDrafter beam, a row whose drafts are the target's own greedy continuation corrupted to
+the per-depth acceptance --profile (benchmarks/oracle.py): the speedup those heads would give at
+that acceptance, at any model size. "vs mlx-lm draft" is each row's paired ratio to mlx-lm's
+draft-model decoding.
 
     python -m benchmarks.speculative --synthetic smollm2-135m
+    python -m benchmarks.speculative --synthetic llama-3-8b --oracle --profile 0.6,0.5,0.45,0.4
     python -m benchmarks.speculative --model path/to/model --label "NVIDIA H100, MLX CUDA backend"
 """
 
@@ -30,6 +35,7 @@ import json
 import shlex
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from statistics import median
 
@@ -38,9 +44,11 @@ import mlx.utils
 
 BENCH_DIR = Path(__file__).resolve().parent
 from benchmarks.index import render_file  # noqa: E402
+from benchmarks.oracle import PROFILE, OracleBeams, OracleTree, continuation, parse_profile  # noqa: E402
 from benchmarks.run import SYNTHETIC, device_description, make_synthetic, slugify  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
+from mlx_hybrid.errors import HybridError  # noqa: E402
 from mlx_hybrid.decode import generate_step  # noqa: E402
 from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
@@ -119,10 +127,11 @@ def synthetic_target(d: Path) -> Path:
 
 
 def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = (),
-            heads_dtype: str | None = None):
+            heads_dtype: str | None = None, profile: tuple[float, ...] | None = None):
     """name -> function(prompt, n) -> (tokens, seconds, target passes). ReDrafter runs with each
     beam (the first named plainly), Medusa with its own tree and with each tree size; with
-    heads_dtype, each of those again with its heads in that dtype."""
+    heads_dtype, each of those again with its heads in that dtype; with profile, an oracle of
+    each tree and beam drafting at that acceptance."""
     from mlx_lm.generate import generate_step as lm_generate_step
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.utils import load_model as lm_load_model
@@ -159,6 +168,19 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
 
         return run
 
+    references = {}
+
+    def oracle(make, depth):
+        """A fresh oracle each run (its draws start over), on the prompt's greedy continuation."""
+        def run(prompt, n):
+            key = (tuple(prompt), n + depth)
+            if key not in references:
+                references[key] = list(prompt) + continuation(ours, prompt, n + depth)
+            proposer = make(references[key], len(prompt), profile, ours.args.vocab_size)
+            return spec(proposer)(prompt, n)
+
+        return run
+
     def lm_spec(prompt, n):
         steps = [0]
 
@@ -185,6 +207,10 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
                 for dtype, named in dtypes if method != "draft" else dtypes[:1]:
                     proposer = load_proposer(method, ours, target_dir, num_draft=k, settings=setting, heads_dtype=dtype)
                     out[f"mlx-hybrid {method}{suffix}{named}"] = spec(proposer)
+                if profile is not None and method == "medusa":
+                    out[f"mlx-hybrid oracle medusa{suffix}"] = oracle(partial(OracleTree, proposer.tree), proposer.depth)
+                elif profile is not None and method == "redrafter":
+                    out[f"mlx-hybrid oracle redrafter{suffix}"] = oracle(partial(OracleBeams, proposer.width, proposer.length), proposer.depth)
     if lm_draft is not None:
         out["mlx-lm draft"] = lm_spec
     return out
@@ -208,6 +234,11 @@ def main(argv=None) -> int:
     p.add_argument("--heads-dtype", choices=sorted(DTYPES), default=None,
                    help="run each Medusa and ReDrafter row again with the heads in this dtype (default: the target's only)")
     p.add_argument("--draft-layers", type=int, default=2, help="synthetic: layers of the truncated draft")
+    p.add_argument("--oracle", action="store_true", help="add oracle rows: drafts from the target's greedy continuation "
+                   "at the --profile acceptance, in each Medusa tree's and ReDrafter beam's shape")
+    p.add_argument("--profile", default=",".join(map(str, PROFILE)),
+                   help="--oracle: per-depth acceptance, depth d's chance given d - 1 was right (default: the 135M "
+                   "default's trained drafter, benchmarks/oracle.py)")
     p.add_argument("--work-dir", type=Path, default=BENCH_DIR / "results" / "models")
     p.add_argument("--label", default=None)
     p.add_argument("--results", type=Path, default=BENCH_DIR / "results", help="where the JSON and plot go")
@@ -219,6 +250,10 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         p.error(f"--beam takes WxL[,WxL...] and --medusa-sizes N[,N...], got {args.beam!r} and {args.medusa_sizes!r}")
+    try:
+        profile = parse_profile(args.profile) if args.oracle else None
+    except HybridError as e:
+        p.error(str(e))
 
     if args.synthetic:
         target_dir = args.work_dir / f"{args.synthetic}-speculative"
@@ -245,7 +280,7 @@ def main(argv=None) -> int:
         lines = PROMPTS_FILE.read_text().splitlines()
         prompts = [tokenizer.encode(t) for t in lines[len(lines) // 2 :][: args.prompts]]
         prompt_desc = f"each of {len(prompts)} held-out news prompts"
-    run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes, args.heads_dtype)
+    run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes, args.heads_dtype, profile)
     trials = {name: [] for name in run}
     reference = {}
     for name, fn in run.items():  # warm-up; the reference tokens

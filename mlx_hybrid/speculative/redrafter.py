@@ -146,6 +146,14 @@ def trims_padding() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
+def beam_draft(tokens, parents, depths, mask, node_of, count) -> Draft:
+    """The `Draft` of a packed beam (`PackedBeam`'s arrays), its padding dropped where `trims_padding`."""
+    if trims_padding():
+        n = count.item()
+        return Draft(tokens[:n], TreeMask(parents[:n], depths[:n], mask[:n, :n]), node_of)
+    return Draft(tokens, TreeMask(parents, depths, mask), node_of)
+
+
 class ReDrafterProposer:
     name = "redrafter"
     drafts_on_device = True
@@ -165,11 +173,7 @@ class ReDrafterProposer:
 
     def draft(self, root: mx.array, hidden: mx.array) -> Draft:
         """Greedy: the packed beam of a beam search from root (1,) and hidden (H,), on the device."""
-        tokens, parents, depths, mask, node_of, count = self._search(root, hidden)
-        if trims_padding():
-            n = count.item()
-            return Draft(tokens[:n], TreeMask(parents[:n], depths[:n], mask[:n, :n]), node_of)
-        return Draft(tokens, TreeMask(parents, depths, mask), node_of)
+        return beam_draft(*self._search(root, hidden))
 
     def _search_and_pack(self, root: mx.array, hidden: mx.array) -> tuple[mx.array, ...]:
         beams = self.drafter.beam_search(hidden[None], root.reshape(1), self.embed, self.width, self.length)[-1].squeeze(0)  # not [0]: a gather

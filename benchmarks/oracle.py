@@ -1,0 +1,126 @@
+"""An oracle proposer: speculation's end-to-end speed at a chosen acceptance, without trained heads.
+
+Its drafts are the target's own greedy continuation (`continuation`, computed first by plain
+greedy decoding), corrupted to a per-depth acceptance profile: at each pass, depth d is right with
+probability profile[d - 1] given that depth d - 1 was (a seeded generator, so a run repeats), and
+every other draft is a token that differs from the true one at its depth. The runtime verifies
+the drafts exactly as it verifies trained heads' (`speculative_steps`, the greedy loop's
+`draft`), in the same shapes: `OracleTree` fills a Medusa tree, `OracleBeams` ReDrafter's beams.
+The drafting itself costs nothing, so the rows measure verification and acceptance alone.
+
+`PROFILE`, the default, is the 135M default model's trained ReDrafter drafter: its top-1 accuracy
+per drafted step on held-out text, each step fed the true tokens before it, i.e. the conditional
+acceptance of depth d given d - 1 (benchmarks/results/train-default-nvidia-h100.json,
+"redrafter.top1", rounded to 3 places). It is one chain's acceptance: a tree or several beams of
+those heads accept more (1.99 tokens a pass expected here; 4x5 beams measured 2.33 on held-out chat).
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_hybrid.decode import generate_step
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.sampling import SamplingParams
+from mlx_hybrid.speculative.accept import Candidates, Draft
+from mlx_hybrid.speculative.redrafter import beam_draft
+from mlx_hybrid.speculative.tree import MedusaTree, pack_beams
+
+PROFILE = (0.538, 0.499, 0.471, 0.452)
+
+
+def parse_profile(text: str) -> tuple[float, ...]:
+    """'0.6,0.5,0.45,0.4' -> the per-depth acceptance, each in [0, 1]."""
+    try:
+        profile = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        profile = ()
+    if not profile or not all(0 <= p <= 1 for p in profile):
+        raise HybridError(f"--profile takes comma-separated probabilities in [0, 1], got '{text}'")
+    return profile
+
+
+def continuation(model, prompt: list[int], n: int) -> list[int]:
+    """The target's first n tokens after prompt by plain greedy decoding."""
+    argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    return [t for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), argmax, max_tokens=n)]
+
+
+class Oracle:
+    """What both shapes share: the reference (the prompt then its greedy continuation), where the
+    next pass's root sits in it, and the draw of each pass's true depth.
+
+    The greedy loop queues a pass before the host reads the last one, so `draft` cannot read its
+    root; it moves past the depth it drew and the target's token after it, which is what the
+    target accepts as long as it decodes the reference (the benchmark's "same tokens" confirms
+    it). `propose` finds the root by matching the history it is given against the reference."""
+
+    drafts_on_device = True
+
+    def __init__(self, reference: list[int], start: int, profile, vocab: int, depth: int, reach: int, seed: int = 0):
+        """start: where the first generated token sits in reference; depth: the drafts a pass
+        holds; reach: the deepest the true path can go in the shape."""
+        self.reference, self.pos, self.vocab, self.depth, self.reach = list(reference), start, vocab, depth, reach
+        self.profile = np.zeros(depth)  # a depth past the profile is never right
+        given = np.asarray(profile[:depth], np.float64)
+        self.profile[: len(given)] = given
+        self.rng = np.random.default_rng(seed)
+
+    def _draw(self) -> tuple[np.ndarray, int]:
+        """The true tokens (depth,) after the root, -1 past the reference, and how many the pass gets right."""
+        truth = self.reference[self.pos + 1 : self.pos + 1 + self.depth]
+        right = self.rng.random(self.depth) < self.profile
+        k = min(int(np.argmin(right)) if not right.all() else self.depth, len(truth), self.reach)
+        self.pos += k + 1
+        return np.array(truth + [-1] * (self.depth - len(truth))), k
+
+    def _wrong(self, truth: np.ndarray, n: int) -> np.ndarray:
+        """(depth, n) tokens, distinct within a row, none the row's true token."""
+        offsets = np.stack([self.rng.choice(self.vocab - 1, n, replace=False) + 1 for _ in truth])
+        return (truth[:, None] + offsets) % self.vocab
+
+    def propose(self, history: list[int], hidden: mx.array, sampling: SamplingParams) -> Candidates:
+        n = min(len(history), len(self.reference))
+        off = np.flatnonzero(np.array(history[:n]) != np.array(self.reference[:n]))
+        if off.size:
+            raise HybridError(f"token {off[0]} is not the oracle's reference: it drafts the target's greedy continuation only")
+        self.pos = len(history) - 1
+        d = self.draft(mx.array(history[-1:]), hidden)
+        return Candidates(np.array(d.tokens), np.array(d.tree.parents).tolist(), tree=d.tree)
+
+
+class OracleTree(Oracle):
+    """Medusa-shaped: the tree's tokens from per-head top-k lists, as the heads' are
+    (`MedusaTree.tokens`); the true token is head d's first, on the top-1 chain, where trained
+    heads put it most often."""
+
+    name = "medusa"
+
+    def __init__(self, tree: MedusaTree, reference: list[int], start: int, profile, vocab: int, seed: int = 0):
+        chain = max(len(p) for p in tree.paths if not any(p))
+        super().__init__(reference, start, profile, vocab, tree.num_heads, chain, seed)
+        self.tree, self.rows, self.top = tree, mx.array(tree.retrieve), max(tree.topk)
+
+    def draft(self, root: mx.array, hidden: mx.array) -> Draft:
+        truth, k = self._draw()
+        top = self._wrong(truth, self.top)
+        top[:k, 0] = truth[:k]
+        return Draft(self.tree.tokens(root, mx.array(top, mx.int32)), self.tree.tree, self.rows)
+
+
+class OracleBeams(Oracle):
+    """ReDrafter-shaped: width beams of length tokens from the root, packed as the drafter's are
+    (`pack_beams`); the first beam carries the true prefix, the others wrong tokens from depth 1."""
+
+    name = "redrafter"
+
+    def __init__(self, width: int, length: int, reference: list[int], start: int, profile, vocab: int, seed: int = 0):
+        super().__init__(reference, start, profile, vocab, length - 1, length - 1, seed)
+        self.width = width
+
+    def draft(self, root: mx.array, hidden: mx.array) -> Draft:
+        truth, k = self._draw()
+        beams = self._wrong(truth, self.width).T  # (width, depth)
+        beams[0, :k] = truth[:k]
+        roots = mx.broadcast_to(root.reshape(1, 1).astype(mx.int32), (self.width, 1))
+        packed = pack_beams(mx.concatenate([roots, mx.array(beams, mx.int32)], axis=1))
+        return beam_draft(packed.tokens, packed.tree.parents, packed.tree.depths, packed.tree.mask, packed.node_of, packed.count)

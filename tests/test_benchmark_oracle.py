@@ -1,0 +1,171 @@
+"""The benchmarks' oracle proposer (benchmarks/oracle.py) and the synthetic shapes it runs on.
+
+Acceptance is checked against an independent target: `accept.greedy_rows` on logits whose argmax
+at every node of depth d is the reference's token d places after the root, as a target that
+decodes the reference gives; that target's accepted count, not the oracle's, moves the root on.
+Exactness on a real tiny target follows tests/test_speculative.py (tie-free references).
+"""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tests.helpers.factories import make_hf_model_dir
+from tests.test_speculative import N_TOKENS, run_steps, tie_free_references
+
+from benchmarks import run as bench_run
+from benchmarks.oracle import OracleBeams, OracleTree, continuation, parse_profile
+from mlx_hybrid.errors import HybridError
+from mlx_hybrid.loader import load_model
+from mlx_hybrid.speculative import accept
+from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths
+
+VOCAB = 97
+TREE = MedusaTree(cartesian_paths([3, 2, 2, 1]))  # the Medusa proposer's default tree for 4 heads
+
+
+def shapes(reference, start, profile, vocab=VOCAB):
+    return [OracleTree(TREE, reference, start, profile, vocab, seed=1), OracleBeams(4, 5, reference, start, profile, vocab, seed=1)]
+
+
+def accepted_depths(oracle, reference: list[int], start: int, passes: int) -> list[int]:
+    """The drafts a target decoding `reference` accepts at each of `passes` greedy passes."""
+    pos, out = start, []
+    for _ in range(passes):
+        draft = oracle.draft(mx.array([reference[pos]], mx.int32), None)
+        depths = np.array(draft.tree.depths)
+        best = np.array(reference)[np.minimum(pos + depths + 1, len(reference) - 1)]
+        info, _ = accept.greedy_rows(draft, mx.array(np.eye(VOCAB, dtype=np.float32)[best]))
+        n = int(info[0].item())
+        out.append(n)
+        pos += n + 1
+    return out
+
+
+@pytest.mark.parametrize("profile,expect", [((1.0,) * 4, [4, 4]), ((0.0,) * 4, [0, 0])])
+def test_oracle_at_certain_profiles(profile, expect):
+    """All right: every pass accepts the shape's whole depth (4 for the tree, 4 for 4x5 beams);
+    all wrong: no draft is ever accepted, one token a pass."""
+    reference = np.random.default_rng(0).integers(0, VOCAB, 400).tolist()
+    for oracle, depth in zip(shapes(reference, 3, profile), expect):
+        assert set(accepted_depths(oracle, reference, 3, 60)) == {depth}, oracle.name
+
+
+def test_oracle_mean_depth_matches_profile():
+    """E[accepted] = sum over d of P(depths 1..d right) = .8 + .8*.5 + .8*.5*.5 + .8*.5*.5*.25
+    = 1.45; the count's standard deviation is about 1, so over 1000 passes the mean is within
+    0.1 (3 standard errors) of it."""
+    profile, passes = (0.8, 0.5, 0.5, 0.25), 1000
+    reference = np.random.default_rng(1).integers(0, VOCAB, passes * 5 + 10).tolist()
+    for oracle in shapes(reference, 0, profile):
+        assert abs(np.mean(accepted_depths(oracle, reference, 0, passes)) - 1.45) < 0.1, oracle.name
+
+
+def test_oracle_profile_shorter_than_the_depth_stops_there():
+    reference = np.random.default_rng(2).integers(0, VOCAB, 200).tolist()
+    for oracle in shapes(reference, 0, (1.0, 1.0)):
+        assert set(accepted_depths(oracle, reference, 0, 30)) == {2}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    model = load_model(make_hf_model_dir(tmp_path_factory.mktemp("oracle") / "m", seed=0), "float32")
+    return model, tie_free_references(model, 3)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_oracle_greedy_speculation_equals_plain_greedy(target, on_device):
+    """Both shapes through the runtime's loops, the greedy device loop (`draft`) and the host loop
+    (`propose`); the reference is `continuation`, checked against the tie-free one too."""
+    model, references = target
+    for i, (prompt, ref) in enumerate(references):
+        full = list(prompt) + continuation(model, prompt, N_TOKENS + 4)
+        assert full[len(prompt) : len(prompt) + N_TOKENS] == ref
+        for oracle in shapes(full, len(prompt), (0.7, 0.6, 0.5, 0.5), model.args.vocab_size):
+            oracle.drafts_on_device = on_device
+            got, steps, accepted = run_steps(model, oracle, prompt, N_TOKENS)
+            assert got == ref, (oracle.name, i)
+            assert accepted > steps // 2, oracle.name  # the drafts were accepted, not only the target's tokens
+
+
+def test_oracle_propose_refuses_history_off_its_reference():
+    oracle = shapes([5, 6, 7, 8, 9], 2, (1.0,))[0]
+    with pytest.raises(HybridError, match="token 3 is not"):
+        oracle.propose([5, 6, 7, 1], None, None)
+
+
+@pytest.mark.parametrize("text", ["", "0.5,x", "0.5,1.2", "-0.1", "nan"])
+def test_parse_profile_rejects(text):
+    with pytest.raises(HybridError, match="--profile takes"):
+        parse_profile(text)
+
+
+def test_parse_profile():
+    assert parse_profile("0.6,0.5,0.45,0.4") == (0.6, 0.5, 0.45, 0.4)
+
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            vocab_size=512, tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None,
+            max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+@pytest.fixture
+def tiny_shape(monkeypatch):
+    monkeypatch.setitem(bench_run.SYNTHETIC, "tiny", TINY)
+    return "tiny"
+
+
+def test_make_synthetic_writes_what_both_runtimes_load(tmp_path, tiny_shape):
+    """MLX's random weights in the checkpoint layout: std 0.02, norms 1, untied head kept; the
+    same seed gives the same bytes; mlx-lm (the independent loader) and ours give one model."""
+    from mlx_lm.utils import load_model as lm_load_model
+
+    d = bench_run.make_synthetic(tiny_shape, tmp_path / "a", seed=3)
+    w = mx.load(str(d / "model.safetensors"))
+    assert w["lm_head.weight"].shape == (512, 64) and w["model.layers.1.mlp.down_proj.weight"].shape == (64, 96)
+    assert abs(float(w["model.embed_tokens.weight"].astype(mx.float32).std()) - 0.02) < 1e-3
+    assert bool(mx.all(w["model.norm.weight"] == 1))
+    again = mx.load(str(bench_run.make_synthetic(tiny_shape, tmp_path / "b", seed=3) / "model.safetensors"))
+    assert all(mx.array_equal(w[k], again[k]) for k in w)
+    x = mx.array([[1, 5, 9, 200]])
+    ours = load_model(d, "float32")
+    theirs = lm_load_model(d)[0]
+    theirs.set_dtype(mx.float32)
+    np.testing.assert_allclose(np.array(ours(x)), np.array(theirs(x)), atol=1e-4)
+
+
+def test_large_shapes_are_the_published_configs():
+    s = bench_run.SYNTHETIC
+    assert {k: s["llama-3-8b"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                            "intermediate_size", "vocab_size", "rope_theta", "tie_word_embeddings")} == dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+        vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False)
+    assert {k: s["llama-3.2-3b"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                              "intermediate_size", "vocab_size", "rope_theta", "tie_word_embeddings")} == dict(
+        hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
+        vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True)
+
+
+def test_speculative_benchmark_oracle_end_to_end(tmp_path, tiny_shape):
+    """`benchmarks.speculative --synthetic --oracle` on a tiny shape: oracle rows for the tree and
+    the beam beside the peers' rows, every row's tokens plain greedy decoding's."""
+    from benchmarks import speculative
+
+    out = tmp_path / "results"
+    assert speculative.main(["--synthetic", tiny_shape, "--oracle", "--profile", "0.9,0.8,0.7,0.6", "--gen-tokens", "12",
+                             "--prompt-tokens", "8", "--trials", "1", "--draft-layers", "1", "--work-dir", str(tmp_path),
+                             "--results", str(out)]) == 0
+    result = json.loads(next(out.glob("*.json")).read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert {"mlx-hybrid oracle medusa", "mlx-hybrid oracle redrafter", "mlx-lm draft", "mlx-hybrid plain"} <= set(rows)
+    assert all(r["same"] for r in rows.values()), rows
+    assert rows["mlx-hybrid oracle medusa"]["tokens_per_step"] > 1.5
+
+
+def test_speculative_benchmark_rejects_a_bad_profile(capsys):
+    from benchmarks import speculative
+
+    with pytest.raises(SystemExit) as e:
+        speculative.main(["--synthetic", "smollm2-135m", "--oracle", "--profile", "0.5,2"])
+    assert e.value.code == 2 and "--profile takes comma-separated probabilities in [0, 1], got '0.5,2'" in capsys.readouterr().err
