@@ -115,3 +115,12 @@ class Linear(nn.Linear):
         if y is None:
             return super().__call__(x)
         return y + self.bias if "bias" in self else y
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", quantize_input: bool = False):
+        """nn.quantize's hook: an affine layer becomes `qlinear.QuantizedLinear`, nn.QuantizedLinear's
+        parameters with the few-row quantized kernel."""
+        if mode != "affine" or quantize_input:
+            return super().to_quantized(group_size, bits, mode, quantize_input)
+        from mlx_hybrid.models.qlinear import QuantizedLinear  # qlinear imports this module
+
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
