@@ -2,9 +2,9 @@
 kernel that reads each packed weight word once, on MLX's CUDA backend.
 
 There MLX's quantized product over more than one row is its matrix-vector kernel (qmv) once a row,
-each row re-reading the weight, or a tiled kernel made for many rows: at 4 bits either costs about
-3.5 decode steps for 34 rows at Llama-3-8B's shapes on an H200, where reading the weight once
-should cost about one. `qrow_matmul` (metal_kernels/qrow_matmul.cu) reads it once for all the rows
+each row re-reading the weight, or a tiled kernel made for many rows, while a pass over a few
+dozen rows of a model bound by reading its weights should cost about what one decode step's read
+costs. `qrow_matmul` (metal_kernels/qrow_matmul.cu) reads it once for all the rows
 (up to linear.ROWS), in MLX's affine format (4 or 8 bits, groups of 32, 64 or 128). On Metal MLX
 has its own few-row kernel (qmv_wide, which reuses each weight group across the rows) and is kept.
 
@@ -20,7 +20,7 @@ follow both, and matching the half-type accumulation would make the pass less ac
 step. So a tree node's logits can differ from the decode step's by the step's own rounding, a few
 units in the last place of the dtype, and greedy speculative decoding gives plain greedy decoding's
 tokens except at a near-tie, where the target's two best logits are closer than that and either is
-its greedy choice within its own rounding (docs/speculative.md, Exactness).
+its greedy choice within its own rounding (docs/speculative.md, Acceptance and exactness).
 """
 
 import mlx.core as mx
