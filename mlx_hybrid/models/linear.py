@@ -54,14 +54,15 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | Non
     flags = [("NORM", norm is not None), ("GATE", gated), ("RES", residual is not None)]
     template = [("T", x.dtype), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS)), *flags]
     kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "eps", "r"), ("y",), reference=_rows_reference)
-    return kernel(
-        inputs=[x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual],
-        template=template,
-        grid=(-(-N // COLUMNS) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-    )[0]
+    inputs = [x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual]
+    return launch_rows(kernel, inputs, template, (M, N), x.dtype)
+
+
+def launch_rows(kernel, inputs: list, template: list, shape: tuple[int, int], dtype: mx.Dtype) -> mx.array:
+    """One launch of a row kernel (this one or qlinear's) for an output of shape (M, N): a
+    threadgroup of WARPS simdgroups for each COLUMNS weight rows."""
+    return kernel(inputs=inputs, template=template, grid=(-(-shape[1] // COLUMNS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                  output_shapes=[shape], output_dtypes=[dtype])[0]
 
 
 def _rows_reference(*, inputs, template, **_):

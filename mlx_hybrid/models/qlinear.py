@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.kernels import kernel_backend, load_kernel
-from mlx_hybrid.models.linear import COLUMNS, ROWS, WARPS
+from mlx_hybrid.models.linear import COLUMNS, ROWS, WARPS, launch_rows
 
 # MLX's affine formats the kernel reads: a uint32 word holds whole elements, 4 words a group's.
 BITS = (4, 8)
@@ -50,14 +50,7 @@ def qrow_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
     template = [("T", x.dtype), ("N", N), ("K", K), ("GS", group_size), ("BITS", bits), ("C", COLUMNS), ("NW", WARPS),
                 ("MW", -(-M // WARPS))]
     kernel = load_kernel(backend, "qrow_matmul", ("x", "w", "scales", "biases"), ("y",), reference=_reference)
-    return kernel(
-        inputs=[x, w, scales, biases],
-        template=template,
-        grid=(-(-N // COLUMNS) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-    )[0]
+    return launch_rows(kernel, [x, w, scales, biases], template, (M, N), x.dtype)
 
 
 def _reference(*, inputs, template, **_):
