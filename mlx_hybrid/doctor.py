@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_hybrid import dsla_step, kernels, scan, tree_attention
-from mlx_hybrid.models import linear
+from mlx_hybrid.models import linear, qlinear
 from mlx_hybrid.rope import rope_frequencies
 from mlx_hybrid.speculative import accept, topk, tree
 from mlx_hybrid.tree_mask import tree_depths
@@ -196,6 +196,26 @@ def _rows_case(rng) -> Case:
     return Case("row_matmul", lambda backend: [linear.row_matmul(arrays[0], arrays[1], backend=backend, norm=norm, residual=arrays[3])], expect)
 
 
+def numpy_dequantize(wq, scales, biases, group_size: int, bits: int) -> np.ndarray:
+    """MLX's affine format read in float64: element e of a uint32 word in bits [e*bits, (e+1)*bits),
+    each group of group_size elements s * q + b."""
+    words = np.array(wq).astype(np.uint64)
+    q = (words[..., None] >> (bits * np.arange(32 // bits, dtype=np.uint64))) & ((1 << bits) - 1)
+    expand = lambda a: np.repeat(np.array(a.astype(mx.float32), np.float64), group_size, axis=1)  # noqa: E731
+    return q.reshape(words.shape[0], -1) * expand(scales) + expand(biases)
+
+
+def _qrows_case(rng) -> Case:
+    """5 rows through a 4-bit 128 x 40 projection in groups of 64."""
+    (x,), _ = _f32(rng.standard_normal((5, 128)))
+    wq, scales, biases = mx.quantize(mx.array(rng.standard_normal((40, 128)).astype(np.float32)), 64, 4)
+
+    def expect():
+        return [np.array(x, np.float64) @ numpy_dequantize(wq, scales, biases, 64, 4).T]
+
+    return Case("qrow_matmul", lambda backend: [qlinear.qrow_matmul(x, wq, scales, biases, group_size=64, bits=4, backend=backend)], expect)
+
+
 def _numpy_best(x, k):
     """The k largest along the last axis, ties to the lower index, and their indices."""
     order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
@@ -282,7 +302,7 @@ def _accept_case(rng) -> Case:
 def cases(seed: int = 0) -> list[Case]:
     """One small launch of each kernel, in the order a speculative step runs them."""
     rng = np.random.default_rng(seed)
-    return [_scan_case(rng), _step_case(rng), _dsla_case(rng), _attention_case(rng), _rows_case(rng), *_beam_cases(rng), _pack_case(rng),
+    return [_scan_case(rng), _step_case(rng), _dsla_case(rng), _attention_case(rng), _rows_case(rng), _qrows_case(rng), *_beam_cases(rng), _pack_case(rng),
             _accept_case(rng)]
 
 

@@ -18,7 +18,7 @@ def test_doctor_on_the_cpu_checks_every_reference(monkeypatch, capsys):
     code, out, _ = run(monkeypatch, capsys, "doctor")
     assert code == 0, out
     n = len(doctor.cases())
-    assert n == 9  # every kernel of metal_kernels/, beam_topk in its two launches
+    assert n == 10  # every kernel of metal_kernels/, beam_topk in its two launches
     assert "backend          none" in out and f"all {n} checks passed" in out
     for case in doctor.cases():
         assert f"{case.kernel} " in out

@@ -57,6 +57,11 @@ SPELLINGS = {
         ("__shfl_xor_sync(0xffffffff, acc[m][c], o)", "simd_shuffle_xor(acc[m][c], static_cast<ushort>(o))"),
         ("rsqrtf(", "metal::rsqrt("),
     ],
+    "qrow_matmul": [
+        ("threadIdx.x", "thread_position_in_threadgroup.x"),
+        ("blockIdx.x", "threadgroup_position_in_grid.x"),
+        ("__shfl_xor_sync(0xffffffff, acc[m][c], o)", "simd_shuffle_xor(acc[m][c], static_cast<ushort>(o))"),
+    ],
     "tree_attention": [
         ("blockIdx.x", "threadgroup_position_in_grid.x"),
         ("threadIdx.x", "thread_position_in_threadgroup.x"),

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from tests.helpers.factories import make_hybrid_dir, took_compiled_pass
 from tests.test_linear import SHAPES as ROW_SHAPES
+from tests.test_qlinear import SHAPES as QROW_SHAPES
+from tests.test_qlinear import quantized
 from tests.test_scan import STEP_SHAPES, check_tree_step_parity
 from tests.test_scan import check_parity as check_scan
 from tests.test_speculative import (drafter_like_target, medusa_like_target, noisy_copy, run_steps, target,  # noqa: F401
@@ -23,7 +25,7 @@ from tests.test_tree_attention import check_parity as check_attention
 
 from mlx_hybrid import doctor, dsla_step, kernels, scan, tree_attention
 from mlx_hybrid.loader import load_model
-from mlx_hybrid.models import hybrid, linear
+from mlx_hybrid.models import hybrid, linear, qlinear
 from mlx_hybrid.speculative import accept, redrafter, topk, tree, verify
 from mlx_hybrid.speculative.draft import DraftProposer
 from mlx_hybrid.speculative.medusa import MedusaProposer
@@ -32,8 +34,8 @@ from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths
 
 pytestmark = pytest.mark.skipif(not metal_emulator.AVAILABLE, reason="the emulator needs g++ on Linux")
 
-LAUNCHERS = (scan, dsla_step, tree_attention, linear, topk, tree, accept)  # the modules that launch kernels
-ROUTERS = (scan, tree_attention, hybrid, linear, accept, tree, topk, verify)  # the modules that ask kernel_backend
+LAUNCHERS = (scan, dsla_step, tree_attention, linear, qlinear, topk, tree, accept)  # the modules that launch kernels
+ROUTERS = (scan, tree_attention, hybrid, linear, qlinear, accept, tree, topk, verify)  # the modules that ask kernel_backend
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
 
@@ -280,6 +282,23 @@ def test_row_matmul(metal, dtype):
         with kernels.references_only():
             want = linear.row_matmul(rows, layer.weight, backend="metal", norm=norm if use_norm else None, gated=gated, residual=residual)
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=tol, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qrow_matmul(metal, dtype):
+    """Products of a few rows with quantized weights against the reference under qlinear's policy:
+    float32 sums rounded once, so within float32 rounding, and for the half types one step of the
+    dtype at the output's size."""
+    rng = np.random.default_rng(3)
+    shapes = QROW_SHAPES if dtype == mx.float32 else QROW_SHAPES[:2]
+    step = {mx.float32: 1e-5, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype]
+    for M, K, N, gs, bits in shapes:
+        wq, scales, biases = quantized(N, K, gs, bits, dtype, seed=M)
+        x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
+        got = qlinear.qrow_matmul(x, wq, scales, biases, group_size=gs, bits=bits, backend="metal")
+        want = qlinear.qrow_matmul_ref(x, wq, scales, biases, gs, bits)
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=1e-4, rtol=step,
+                                   err_msg=f"{dtype} {M}x{K} @ {N}x{K}, {bits} bits, groups of {gs}")
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

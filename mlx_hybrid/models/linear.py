@@ -60,14 +60,15 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | Non
     flags = [("NORM", norm is not None), ("GATE", gated), ("RES", residual is not None)]
     template = [("T", x.dtype), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS)), *flags]
     kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "eps", "r"), ("y",), reference=_rows_reference)
-    return kernel(
-        inputs=[x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual],
-        template=template,
-        grid=(-(-N // COLUMNS) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-    )[0]
+    inputs = [x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual]
+    return launch_rows(kernel, inputs, template, (M, N), x.dtype)
+
+
+def launch_rows(kernel, inputs: list, template: list, shape: tuple[int, int], dtype: mx.Dtype) -> mx.array:
+    """One launch of a row kernel (this one or qlinear's) for an output of shape (M, N): a
+    threadgroup of WARPS simdgroups for each COLUMNS weight rows."""
+    return kernel(inputs=inputs, template=template, grid=(-(-shape[1] // COLUMNS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                  output_shapes=[shape], output_dtypes=[dtype])[0]
 
 
 def _rows_reference(*, inputs, template, **_):
@@ -132,3 +133,12 @@ class Linear(nn.Linear):
         if y is None:
             return super().__call__(x)
         return y + self.bias if "bias" in self else y
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", quantize_input: bool = False):
+        """nn.quantize's hook: an affine layer becomes `qlinear.QuantizedLinear`, nn.QuantizedLinear's
+        parameters with the few-row quantized kernel."""
+        if mode != "affine" or quantize_input:
+            return super().to_quantized(group_size, bits, mode, quantize_input)
+        from mlx_hybrid.models.qlinear import QuantizedLinear  # qlinear imports this module
+
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
