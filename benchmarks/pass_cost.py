@@ -9,8 +9,10 @@ rows written when it is a prefix of the nodes vs another path, and, as the loops
 overlapped), a plain decode step and a greedy pass of each method.
 
 A model directory with its medusa/ and/or redrafter/ (the default hybrid, a converted target), or
-a new directory: random weights in SmolLM2-135M's shape with untrained heads
-(benchmarks/speculative.py's). 256 context tokens, each timing the median of 20 synchronous runs
+a new directory: random weights in --shape's (SmolLM2-135M's by default; benchmarks/run.py's
+SYNTHETIC) with untrained heads (benchmarks/speculative.py's). --dtype casts the target's floats.
+--forwards: only the decode step and the forwards over 8, 17, 34 and 64 tokens, on each path of
+the projections (the pass-cost table; a new directory then gets no heads). 256 context tokens, each timing the median of 20 synchronous runs
 (milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
 target as `hybrid convert` does by default. Prints JSON. --passes: only the pipelined decode
 step and passes, for each variant of the pass (the row kernel for the projections or MLX's
@@ -20,6 +22,7 @@ decode step and passes in 5 rounds, each split into the host's building, dispatc
 
     python -m benchmarks.pass_cost benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes | --split]
     python -m benchmarks.pass_cost path/to/model
+    python -m benchmarks.pass_cost /tmp/llama-3-8b 4 --shape llama-3-8b --dtype bfloat16 --forwards
 """
 import argparse, sys, time, json
 from pathlib import Path
@@ -27,8 +30,9 @@ from statistics import median
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from benchmarks.run import SYNTHETIC
 from benchmarks.speculative import synthetic_target
-from mlx_hybrid.loader import load_model
+from mlx_hybrid.loader import DTYPES, load_model
 from mlx_hybrid.decode import generate_step, prefill, generation_stream
 from mlx_hybrid.speculative.proposer import load_proposer
 from mlx_hybrid.speculative.steps import _greedy_passes
@@ -47,10 +51,13 @@ parser.add_argument("bits", type=int, nargs="?", choices=(4, 8), help="quantize 
 only = parser.add_mutually_exclusive_group()
 only.add_argument("--passes", action="store_true", help="only the pipelined step and passes, each variant of the pass")
 only.add_argument("--split", action="store_true", help="only the pipelined step and passes, split into build, dispatch, wait")
+only.add_argument("--forwards", action="store_true", help="only the decode step and the forwards over T tokens, each projection path")
+parser.add_argument("--shape", choices=SYNTHETIC, default="smollm2-135m", help="the shape of a new random-weight target")
+parser.add_argument("--dtype", choices=DTYPES, help="the target's float dtype (default: the runtime's)")
 args = parser.parse_args()
 passes_only, split_only = args.passes, args.split
-d = synthetic_target(args.model)  # made only where there is no model yet
-model = load_model(d)
+d = synthetic_target(args.model, args.shape, heads=not args.forwards)  # made only where there is no model yet
+model = load_model(d, args.dtype)
 methods = [m for m in ("medusa", "redrafter") if (d / m).is_dir()]
 if args.bits:  # a quantized target, as `hybrid convert` writes by default
     nn.quantize(model, 64, args.bits)
@@ -146,6 +153,8 @@ with mx.stream(generation_stream):
             kernel, attention.tree_kernel = attention.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
             attention.tree_kernel = kernel
+    if args.forwards:
+        print(json.dumps(out, indent=1)); sys.exit()
     # sdpa alone
     H, KV, D = model.args.num_attention_heads, model.args.num_key_value_heads, model.args.head_dim
     for T in (1, 34):

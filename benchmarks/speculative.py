@@ -117,12 +117,14 @@ def timed(tokens_iter, n: int):
     return tokens, time.perf_counter() - first
 
 
-def synthetic_target(d: Path) -> Path:
-    """d, made first where it has no model: random weights in SmolLM2-135M's shape with untrained
-    heads and a 2-layer draft beside them (`write_heads`), as the pass-cost tools use it."""
+def synthetic_target(d: Path, shape: str = "smollm2-135m", heads: bool = True) -> Path:
+    """d, made first where it has no model: random weights in `shape` (SYNTHETIC) with, where
+    heads, untrained heads and a 2-layer draft beside them (`write_heads`), as the pass-cost tools
+    use it."""
     if not (d / "config.json").is_file():
-        make_synthetic("smollm2-135m", d, seed=0)
-        write_heads(d, load_model(d), 0, 2)
+        make_synthetic(shape, d, seed=0)
+        if heads:
+            write_heads(d, load_model(d), 0, 2)
     return d
 
 

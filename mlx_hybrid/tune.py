@@ -35,7 +35,7 @@ from mlx_hybrid.cache import commit
 from mlx_hybrid.decode import generate_step, prefill
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.kernels import kernel_backend
-from mlx_hybrid.models import linear
+from mlx_hybrid.models import linear, qlinear
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.profiles import Settings, device_name, model_key
 from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
@@ -87,34 +87,47 @@ def binary_tree(n: int) -> TreeMask:
     return TreeMask.from_parents([-1] + [(t - 1) // 2 for t in range(1, n)])
 
 
-def projection_weights(model: nn.Module) -> dict[tuple[int, int], mx.array]:
-    """One weight of each shape (N, K) whose products over a pass's rows can take the row kernel:
-    the float `linear.Linear` layers' and, where the LM head is the embedding, the embedding's."""
+def projection_layers(model: nn.Module) -> dict[tuple[int, int], nn.Module]:
+    """One layer of each weight shape (N, K) whose products over a pass's rows can take a row
+    kernel: float `linear.Linear` layers (`row_matmul`), quantized ones in a format `qrow_matmul`
+    reads, and the embedding where it is also the LM head."""
     found = {}
     for _, m in model.named_modules():
-        if type(m) is linear.Linear or (type(m) is nn.Embedding and getattr(model.args, "tie_word_embeddings", False)):
-            found.setdefault(tuple(m.weight.shape), m.weight)
+        if type(m) is qlinear.QuantizedLinear and m.mode == "affine" and m.bits in qlinear.BITS and m.group_size in qlinear.GROUP_SIZES:
+            found.setdefault((m.weight.shape[0], m.scales.shape[1] * m.group_size), m)
+        elif type(m) is linear.Linear or (type(m) is nn.Embedding and getattr(model.args, "tie_word_embeddings", False)):
+            found.setdefault(tuple(m.weight.shape), m)
     return found
+
+
+def _products(layer: nn.Module, x: mx.array):
+    """The kernel's and MLX's product of x with the layer's weight (transposed)."""
+    if isinstance(layer, qlinear.QuantizedLinear):
+        kw = dict(group_size=layer.group_size, bits=layer.bits)
+        return (lambda: qlinear.qrow_matmul(x, layer.weight, layer.scales, layer.biases, backend="cuda", **kw),
+                lambda: mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, transpose=True, **kw))
+    return lambda: linear.row_matmul(x, layer.weight, backend="cuda"), lambda: x @ layer.weight.T
 
 
 def row_limits(model: nn.Module, counts=COUNTS, reps: int = 5, chain: int = 10, progress=None) -> dict:
     """For each projection shape, seconds of `chain` products over n rows (each n of counts from 2
-    to linear.ROWS) on the row kernel and on MLX's matmul, and the most rows the kernel should
+    to linear.ROWS) on its row kernel and on MLX's product, and the most rows the kernel should
     take (`linear.row_limit`): {"NxK": {"n", "kernel", "matmul", "limit"}}. A chain, so that the
     host's cost per launch counts as it does in a pass."""
     counts = [n for n in counts if 1 < n <= linear.ROWS]
-    weights = projection_weights(model)
+    layers = projection_layers(model)
     out = {}
-    for i, ((N, K), w) in enumerate(weights.items()):
+    for i, ((N, K), layer) in enumerate(layers.items()):
+        dtype = layer.scales.dtype if isinstance(layer, qlinear.QuantizedLinear) else layer.weight.dtype
         times = {"kernel": [], "matmul": []}
         for n in counts:
-            x = mx.random.normal((n, K), key=mx.random.key(n)).astype(w.dtype)
+            x = mx.random.normal((n, K), key=mx.random.key(n)).astype(dtype)
             mx.eval(x)
-            for name, product in (("kernel", lambda: linear.row_matmul(x, w, backend="cuda")), ("matmul", lambda: x @ w.T)):
+            for name, product in zip(times, _products(layer, x)):
                 times[name].append(_median_seconds(lambda: mx.eval([product() for _ in range(chain)]), reps) / chain)
         out[f"{N}x{K}"] = {"n": counts, **times, "limit": linear.row_limit(counts, times["kernel"], times["matmul"])}
         if progress:
-            progress(i + 1, len(weights))
+            progress(i + 1, len(layers))
     return out
 
 

@@ -100,3 +100,14 @@ def test_greedy_speculative_decoding_of_a_4bit_target_on_the_kernel(tmp_path, mo
         mx.enable_compile()
     assert got == ref
     assert calls and accepted > 0
+
+
+def test_a_shapes_limit_sends_more_rows_to_mlx(monkeypatch):
+    """linear.LIMITS (a tuned profile's, keyed by the unpacked weight shape) caps the rows the
+    quantized kernel takes too."""
+    monkeypatch.setattr(qlinear, "kernel_backend", lambda: "cuda")
+    monkeypatch.setattr(qlinear, "load_kernel", lambda *a, **k: lambda **kw: [mx.zeros(kw["output_shapes"][0])])
+    layer = nn.QuantizedLinear(64, 20, bias=False, group_size=32, bits=4)
+    monkeypatch.setattr(linear, "LIMITS", {(20, 64): 4})
+    x = mx.ones((5, 64))
+    assert qlinear.qrow_product(x, layer) is None and qlinear.qrow_product(x[:4], layer) is not None

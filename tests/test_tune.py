@@ -236,10 +236,17 @@ def test_row_limits_per_projection_shape_and_in_the_profile(monkeypatch, model_d
     monkeypatch.setattr(linear, "load_kernel", lambda *a, **k: lambda **kw: [mx.zeros(kw["output_shapes"][0])])
     model, _ = load(model_dir)
     limits = tune_module.row_limits(model, counts=(1, 2, 4), reps=1, chain=2)
-    assert set(limits) == {f"{n}x{k}" for n, k in tune_module.projection_weights(model)}
-    assert {(n, k) for n, k in tune_module.projection_weights(model)} >= {tuple(m.weight.shape) for _, m in model.named_modules()
-                                                                          if type(m) is linear.Linear}
+    assert set(limits) == {f"{n}x{k}" for n, k in tune_module.projection_layers(model)}
+    assert set(tune_module.projection_layers(model)) >= {tuple(m.weight.shape) for _, m in model.named_modules()
+                                                          if type(m) is linear.Linear}
     assert all(r["n"] == [2, 4] and r["limit"] in (0, 2, 4) for r in limits.values())
+    from mlx_hybrid.models import qlinear  # a quantized model: its layers' qrow_matmul against MLX's quantized product
+
+    monkeypatch.setattr(qlinear, "load_kernel", lambda *a, **k: lambda **kw: [mx.zeros(kw["output_shapes"][0])])
+    nn.quantize(model, 32, 4)
+    quantized = [m for _, m in model.named_modules() if type(m) is qlinear.QuantizedLinear]
+    assert quantized and set(tune_module.row_limits(model, counts=(2,), reps=1, chain=1)) >= {
+        f"{m.weight.shape[0]}x{m.scales.shape[1] * 32}" for m in quantized}
     path = profiles.profile_path(model_dir)
     profile = {"best": {}, "choice": None, "row_limits": {"96x32": {"limit": 8}}}
     profiles.save_profile(profile, path)

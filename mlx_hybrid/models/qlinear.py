@@ -27,7 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_hybrid.kernels import kernel_backend, load_kernel
-from mlx_hybrid.models.linear import COLUMNS, ROWS, WARPS, launch_rows
+from mlx_hybrid.models import linear
+from mlx_hybrid.models.linear import COLUMNS, WARPS, launch_rows
 
 # MLX's affine formats the kernel reads: a uint32 word holds whole elements, 4 words a group's.
 BITS = (4, 8)
@@ -61,9 +62,10 @@ def _reference(*, inputs, template, **_):
 
 def qrow_product(x: mx.array, layer: nn.QuantizedLinear) -> mx.array | None:
     """x @ layer's dequantized weight^T on the kernel where it takes x: a matrix of 2..ROWS rows
-    in the scales' dtype, an affine format it reads, on CUDA; else None. As for the float row
+    (2..linear.LIMITS' limit for the weight's shape, where tuned) in the scales' dtype, an affine
+    format it reads, on CUDA; else None. As for the float row
     kernel (linear.row_product), rows along a sequence axis (a prompt's) take MLX's op."""
-    if x.ndim != 2 or not 1 < x.shape[0] <= ROWS or kernel_backend() != "cuda":
+    if x.ndim != 2 or not 1 < x.shape[0] <= linear.LIMITS.get((layer.weight.shape[0], x.shape[1]), linear.ROWS) or kernel_backend() != "cuda":
         return None
     if layer.mode != "affine" or layer.bits not in BITS or layer.group_size not in GROUP_SIZES or x.dtype != layer.scales.dtype:
         return None
