@@ -11,8 +11,11 @@ per head, with S (dk, dv) and a log forget gate g_t <= 0 that is either one per 
 Training needs the whole sequence at once, so the scan runs in chunks of T tokens: inside a chunk
 the outputs are a masked (T x T) attention with decays exp(b_t - b_s) (b the cumulative log gate),
 between chunks only the (dk, dv) state is carried. exp(b_t - b_s) is formed from the difference,
-never as a ratio of two exponentials, so no chunk length can overflow. Pure PyTorch, float32;
-autograd differentiates it directly.
+never as a ratio of two exponentials, so no chunk length can overflow. Every chunk's own part is
+computed for all chunks at once (batched over a chunk axis); only the carried state is a loop, of
+two element-wise ops a chunk: a GPU step of a small model is bound by the host's kernel launches,
+which a loop of whole chunk computations multiplies. Pure PyTorch, float32; autograd
+differentiates it directly.
 """
 
 import torch
@@ -37,23 +40,26 @@ def chunked_gla(
     scalar = g.shape[-1] == 1
     if state is None:
         state = q.new_zeros(b, h, dk, dv)
-    outs = []
-    for start in range(0, L, chunk):
-        qc, kc, vc, gc = (t[:, :, start : start + chunk] for t in (q, k, v, g))
-        T = qc.shape[2]
-        cum = gc.cumsum(2)  # b_t, (b, h, T, dk or 1)
-        inter = (qc * cum.exp()) @ state
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        if scalar:
-            diff = cum[..., 0, None] - cum[..., 0][:, :, None, :]  # b_t - b_s, (b, h, T, T)
-            decay = torch.where(causal, diff, -torch.inf).exp()
-            scores = (qc @ kc.transpose(-1, -2)) * decay
-        else:
-            diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # (b, h, T, T, dk)
-            decay = torch.where(causal[:, :, None], diff, -torch.inf).exp()
-            scores = torch.einsum("bhtd,bhsd,bhtsd->bhts", qc, kc, decay)
-        outs.append(inter + scores @ vc)
-        last = cum[:, :, -1:]  # (b, h, 1, dk or 1)
-        state = last.transpose(-1, -2).exp() * state + (kc * (last - cum).exp()).transpose(-1, -2) @ vc
-    return torch.cat(outs, dim=2), state
-
+    T = min(chunk, L)
+    pad = -L % T  # the last chunk filled with tokens that add nothing (k = 0) and forget nothing (g = 0)
+    q, k, v, g = (torch.nn.functional.pad(t, (0, 0, 0, pad)).unflatten(2, (-1, T)) for t in (q, k, v, g))  # (b, h, n, T, .)
+    cum = g.cumsum(3)  # b_t within each chunk
+    last = cum[:, :, :, -1:]  # (b, h, n, 1, dk or 1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if scalar:
+        diff = cum[..., 0, None] - cum[..., 0][..., None, :]  # b_t - b_s, (b, h, n, T, T)
+        decay = torch.where(causal, diff, -torch.inf).exp()
+        scores = (q @ k.transpose(-1, -2)) * decay
+    else:
+        diff = cum[..., :, None, :] - cum[..., None, :, :]  # (b, h, n, T, T, dk)
+        decay = torch.where(causal[..., None], diff, -torch.inf).exp()
+        scores = torch.einsum("bhntd,bhnsd,bhntsd->bhnts", q, k, decay)
+    # Each chunk's contribution to the state at its end, and how much of the state before it survives.
+    added = (k * (last - cum).exp()).transpose(-1, -2) @ v  # (b, h, n, dk, dv)
+    kept = last.transpose(-1, -2).exp()  # (b, h, n, dk or 1, 1)
+    before = []
+    for c in range(q.shape[2]):
+        before.append(state)
+        state = kept[:, :, c] * state + added[:, :, c]
+    o = (q * cum.exp()) @ torch.stack(before, 2) + scores @ v
+    return o.flatten(2, 3)[:, :, :L], state
