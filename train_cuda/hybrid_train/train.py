@@ -12,7 +12,7 @@ taking a consecutive share), so the step's gradient is the same mean, summed in 
 `parallel: fsdp` shards the parameters, gradients and optimizer state of every block (each
 member of the model's `nn.ModuleList`s, e.g. the decoder layers) and of the rest over the
 processes with `torch.distributed.fsdp.fully_shard`, bf16 compute with float32 master weights
-and gradient reduction under bf16. Its checkpoints are `torch.distributed.checkpoint` directories,
+and gradients reduced in float32. Its checkpoints are `torch.distributed.checkpoint` directories,
 which load into any number of processes. Training returns the whole model on every process,
 unsharded, so a stage exports and measures it as it does after DDP.
 """
@@ -87,19 +87,13 @@ class Dist:
         if self.world > 1:
             dist.barrier()
 
-    def mean(self, values: list[float]) -> list[float]:
+    def reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """values summed (or op) over the processes, in one all-reduce."""
         if self.world == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return (t / self.world).tolist()
-
-    def reduce(self, value: float, op=dist.ReduceOp.SUM) -> float:
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=op)
-        return float(t)
+        return t.tolist()
 
     def gather(self, obj) -> list:
         if self.world == 1:
@@ -385,11 +379,12 @@ def train(
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            values = dict(zip(totals, env.mean(list(totals.values()))))
+            *sums, tokens = env.reduce([*totals.values(), tokens])
+            values = {name: v / env.world for name, v in zip(totals, sums)}
             row = {"step": step + 1, **values, "lr": sched.get_last_lr()[0], "elapsed_s": time.time() - began,
-                   "tokens": int(env.reduce(tokens))}
+                   "tokens": int(tokens)}
             if env.device.type == "cuda":  # the most any process held
-                row["peak_gib"] = env.reduce(torch.cuda.max_memory_allocated(env.device) / 2**30, dist.ReduceOp.MAX)
+                row["peak_gib"] = env.reduce([torch.cuda.max_memory_allocated(env.device) / 2**30], dist.ReduceOp.MAX)[0]
             if env.main:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()

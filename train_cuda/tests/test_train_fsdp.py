@@ -112,7 +112,7 @@ def _checkpointed(tmp_path, **cfg) -> TrainConfig:
     """A one-process run of 2 steps on a linear model, checkpointed, and its config."""
     cfg = TrainConfig(out=str(tmp_path / "o"), steps=2, batch_size=2, save_every=1, **cfg)
     env = SimpleNamespace(world=1, rank=0, main=True, device=torch.device("cpu"), barrier=lambda: None,
-                          mean=lambda v: v, reduce=lambda v, op=None: v, gather=lambda o: [o])
+                          reduce=lambda v, op=None: v, gather=lambda o: [o])
     examples = [([1, 2], [2, 3])] * 4
     train(cfg, torch.nn.Embedding(8, 4), examples, lambda m, b: (m(b["input_ids"]).square().mean(), {}), False, env)
     return cfg
