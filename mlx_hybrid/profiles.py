@@ -204,8 +204,12 @@ def row_limits(model_dir: str | Path | None, model=None) -> dict[tuple[int, int]
     """The most rows the row kernel takes per weight shape, as this device's profile measured them
     (`mlx_hybrid.models.linear.LIMITS`, which a verification pass reads); {} without a profile."""
     found = load_profile(model_dir, model) if model_dir is not None else None
-    limits = found[0].get("row_limits", {}) if found else {}
-    return {tuple(int(d) for d in shape.split("x")): row["limit"] for shape, row in limits.items()}
+    return shape_limits(found[0].get("row_limits", {})) if found else {}
+
+
+def shape_limits(row_limits: dict) -> dict[tuple[int, int], int]:
+    """A profile's row_limits ({"NxK": {"limit": ...}}) keyed as linear.LIMITS is: (N, K) -> limit."""
+    return {tuple(int(d) for d in shape.split("x")): row["limit"] for shape, row in row_limits.items()}
 
 
 def profile_choice(model_dir: str | Path | None, model=None) -> str | None:

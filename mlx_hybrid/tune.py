@@ -37,7 +37,7 @@ from mlx_hybrid.errors import HybridError
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.models import linear, qlinear
 from mlx_hybrid.sampling import SamplingParams
-from mlx_hybrid.profiles import Settings, device_name, model_key
+from mlx_hybrid.profiles import Settings, device_name, model_key, shape_limits
 from mlx_hybrid.speculative.calibration import beam_acceptance, greedy_runs
 from mlx_hybrid.speculative.proposer import load_proposer
 from mlx_hybrid.speculative.redrafter import trims_padding
@@ -79,8 +79,9 @@ def _median_seconds(fn, reps: int) -> float:
 
 def stages(methods: list[str]) -> list[str]:
     """The stages `tune` reports progress for, in order."""
-    return (["projection cost"] * (kernel_backend() == "cuda") + ["verification cost", "greedy runs"] + ["beam acceptance", "drafting cost"] * ("redrafter" in methods)
-            + ["tree cost"] * ("medusa" in methods) + ["end-to-end runs"])
+    return (["projection cost"] * (kernel_backend() == "cuda") + ["verification cost", "greedy runs"]
+            + ["beam acceptance", "drafting cost"] * ("redrafter" in methods) + ["tree cost"] * ("medusa" in methods)
+            + ["end-to-end runs"])
 
 
 def binary_tree(n: int) -> TreeMask:
@@ -93,7 +94,7 @@ def projection_layers(model: nn.Module) -> dict[tuple[int, int], nn.Module]:
     reads, and the embedding where it is also the LM head."""
     found = {}
     for _, m in model.named_modules():
-        if type(m) is qlinear.QuantizedLinear and m.mode == "affine" and m.bits in qlinear.BITS and m.group_size in qlinear.GROUP_SIZES:
+        if type(m) is qlinear.QuantizedLinear and qlinear.reads(m):
             found.setdefault((m.weight.shape[0], m.scales.shape[1] * m.group_size), m)
         elif type(m) is linear.Linear or (type(m) is nn.Embedding and getattr(model.args, "tie_word_embeddings", False)):
             found.setdefault(tuple(m.weight.shape), m)
@@ -217,7 +218,7 @@ def tune(
                     "prompts": len(prompts), "stages": []})
     if kernel_backend() == "cuda":
         limits = profile["row_limits"] = row_limits(model, counts, progress=lambda d, t: report("projection cost", d, t))
-        linear.LIMITS.update({tuple(map(int, k.split("x"))): v["limit"] for k, v in limits.items()})
+        linear.LIMITS.update(shape_limits(limits))
         profile["stages"].append("projection cost")
     verify = verification_cost(model, counts, progress=lambda d, t: report("verification cost", d, t))
     profile["verification_seconds"] = verify

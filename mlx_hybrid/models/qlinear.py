@@ -60,6 +60,11 @@ def _reference(*, inputs, template, **_):
     return [qrow_matmul_ref(*inputs, t["GS"], t["BITS"])]
 
 
+def reads(layer: nn.QuantizedLinear) -> bool:
+    """Whether the kernel reads the layer's format."""
+    return layer.mode == "affine" and layer.bits in BITS and layer.group_size in GROUP_SIZES
+
+
 def qrow_product(x: mx.array, layer: nn.QuantizedLinear) -> mx.array | None:
     """x @ layer's dequantized weight^T on the kernel where it takes x: a matrix of 2..ROWS rows
     (2..linear.LIMITS' limit for the weight's shape, where tuned) in the scales' dtype, an affine
@@ -67,7 +72,7 @@ def qrow_product(x: mx.array, layer: nn.QuantizedLinear) -> mx.array | None:
     kernel (linear.row_product), rows along a sequence axis (a prompt's) take MLX's op."""
     if x.ndim != 2 or not 1 < x.shape[0] <= linear.LIMITS.get((layer.weight.shape[0], x.shape[1]), linear.ROWS) or kernel_backend() != "cuda":
         return None
-    if layer.mode != "affine" or layer.bits not in BITS or layer.group_size not in GROUP_SIZES or x.dtype != layer.scales.dtype:
+    if not reads(layer) or x.dtype != layer.scales.dtype:
         return None
     return qrow_matmul(x, layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits, backend="cuda")
 
