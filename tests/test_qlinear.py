@@ -10,7 +10,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from tests.helpers import cuda_emulator
-from tests.helpers.factories import make_hf_model_dir
+from tests.helpers.factories import GPU_BACKENDS, make_hf_model_dir
+from tests.test_linear import PARITY_TOL
 from tests.test_speculative import OracleProposer, run_steps, tie_free_references
 
 from mlx_hybrid.convert.hf import convert
@@ -62,6 +63,24 @@ def test_cuda_body_on_the_cpu_follows_the_policy(monkeypatch):
         if M <= linear.WARPS:  # one build: a row alone has the same warp share
             alone = [qlinear.qrow_matmul(x[m : m + 1], wq, scales, biases, group_size=gs, bits=bits, backend="cuda") for m in (0, M - 1)]
             assert mx.array_equal(got[mx.array([0, M - 1])], mx.concatenate(alone)).item(), label
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_kernel_matches_reference(backend, dtype):
+    """On the device: the kernel against its reference in exact float32 (tolerances as the float
+    row kernel's: float32 sums rounded once to the dtype)."""
+    rng = np.random.default_rng(3)
+    for M, K, N, gs, bits in SHAPES:
+        wq, scales, biases = quantized(N, K, gs, bits, dtype, seed=M)
+        x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
+        with mx.stream(mx.gpu):
+            got = qlinear.qrow_matmul(x, wq, scales, biases, group_size=gs, bits=bits, backend=backend)
+        with mx.stream(mx.cpu):  # exact float32 (MLX's CUDA backend multiplies float32 in TF32)
+            f32 = mx.float32
+            want = qlinear.qrow_matmul_ref(x.astype(f32), wq, scales.astype(f32), biases.astype(f32), gs, bits)
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), atol=PARITY_TOL[dtype], rtol=1e-2,
+                                   err_msg=f"{dtype} {M}x{K} @ {N}x{K}, {bits} bits, groups of {gs}")
 
 
 def test_kernel_path_only_for_a_few_rows_in_a_format_it_reads(monkeypatch):
