@@ -46,6 +46,7 @@ KINDS = {
     "pass-cost": "benchmarks/pass_cost.py",
     "pass-cost-passes": "benchmarks/pass_cost.py --passes",
     "pass-cost-split": "benchmarks/pass_cost.py --split",
+    "pass-cost-forwards": "benchmarks/pass_cost.py --forwards",
     "pass-cost-ops": "benchmarks/pass_cost.py (op_* chains)",
     "kernel-profile": "benchmarks/gpu/kernel_profile.py",
     "kernel-bench": "benchmarks/gpu/kernel_bench.py --sweep",
@@ -64,6 +65,7 @@ KINDS = {
     "train-default": "train_cuda/scripts/real_default.py",
     "train-scaling": "train_cuda/scripts/scaling.py",
     "perplexity": "benchmarks/perplexity.py",
+    "oracle-profile": "benchmarks/oracle.py",
 }
 
 
@@ -210,6 +212,28 @@ def speculative_tables(results: list[Result]) -> str:
         oracle = f"; oracle rows at per-depth acceptance {a['profile'].replace(',', ' / ')}" if a.get("oracle") == "True" else ""
         notes.append(f"- {model}, {r.device}: `{show_command(d['command'])}` ({a.get('gen_tokens')} tokens after {prompts}, "
                      f"median of {a.get('trials')} trials{oracle}" + (f"; [plot](results/{r.png.name})" if r.png else "") + ")")
+    return "\n".join(lines + [""] + notes)
+
+
+def pass_cost_tables(results: list[Result]) -> str:
+    """benchmarks/pass_cost.py --forwards: a forward over T tokens after 256 of context, in decode
+    steps (T = 1), as tuned and on each single path of the projections."""
+    counts = (8, 17, 34, 64)
+    paths = [("chain_kernel", "as tuned, chain"), ("tree_kernel", "as tuned, binary tree"),
+             ("chain_kernel_matmul", "all MLX matmul, chain"), ("chain_kernel_rows", "all row kernel, chain")]
+    lines = ["Each cell: ms for one forward over T tokens after 256 of context (its cost in decode steps, T = 1).", "",
+             "| shape, weights, device | projections | T = 1 | " + " | ".join(f"T = {t}" for t in counts) + " |",
+             "| --- | --- | ---: | " + " | ".join("---:" for _ in counts) + " |"]
+    notes = []
+    for r in results:
+        d, t = r.data, r.data["times"]
+        step = t["T1_decode"]
+        weights = f"{d['bits']}-bit" if d["bits"] else d["dtype"]
+        for i, (key, name) in enumerate(p for p in paths if f"T8_{p[0]}" in t):
+            where = f"{d['shape']}, {weights}, {r.device} ({r.date})" if i == 0 else ""
+            lines.append(f"| {where} | {name} | {step:.2f} | " + " | ".join(f"{t[f'T{n}_{key}']:.2f} ({t[f'T{n}_{key}'] / step:.2f}×)" for n in counts) + " |")
+        limits = ", ".join(f"{shape}: {n}" for shape, n in t.get("row_limits", {}).items())
+        notes.append(f"- {d['shape']}, {weights}: `{show_command(d['command'])}`" + (f"; row kernel limits (rows a projection takes it for): {limits}" if limits else ""))
     return "\n".join(lines + [""] + notes)
 
 
@@ -494,6 +518,7 @@ TABLES = {
     "convert-memory": (["convert-memory"], convert_tables),
     "dsla-conversion": (["dsla-conversion"], dsla_tables),
     "speculative": (["speculative"], speculative_tables),
+    "pass-cost": (["pass-cost-forwards"], pass_cost_tables),
     "graph-ops": (["graph-ops"], graph_tables),
     "tune": (["tune"], tune_tables),
     "training": (["train-heads", "train-hybrid-target", "train-default"], training_tables),

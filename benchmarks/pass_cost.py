@@ -12,7 +12,9 @@ A model directory with its medusa/ and/or redrafter/ (the default hybrid, a conv
 a new directory: random weights in --shape's (SmolLM2-135M's by default; benchmarks/run.py's
 SYNTHETIC) with untrained heads (benchmarks/speculative.py's). --dtype casts the target's floats.
 --forwards: only the decode step and the forwards over 8, 17, 34 and 64 tokens, on each path of
-the projections (the pass-cost table; a new directory then gets no heads). 256 context tokens, each timing the median of 20 synchronous runs
+the projections: as tuned (on CUDA, the row limits `hybrid tune` would measure, measured first and
+printed as row_limits), all on MLX's matmul, all on the row kernel (the pass-cost table; a new
+directory then gets no heads). 256 context tokens, each timing the median of 20 synchronous runs
 (milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
 target as `hybrid convert` does by default. Prints JSON. --passes: only the pipelined decode
 step and passes, for each variant of the pass (the row kernel for the projections or MLX's
@@ -24,24 +26,27 @@ decode step and passes in 5 rounds, each split into the host's building, dispatc
     python -m benchmarks.pass_cost path/to/model
     python -m benchmarks.pass_cost /tmp/llama-3-8b 4 --shape llama-3-8b --dtype bfloat16 --forwards
 """
-import argparse, sys, time, json
+import argparse, sys, time, json, shlex
 from pathlib import Path
 from statistics import median
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from benchmarks.run import SYNTHETIC
+from benchmarks.run import SYNTHETIC, device_description, slugify
 from benchmarks.speculative import synthetic_target
 from mlx_hybrid.loader import DTYPES, load_model
 from mlx_hybrid.decode import generate_step, prefill, generation_stream
 from mlx_hybrid.speculative.proposer import load_proposer
 from mlx_hybrid.speculative.steps import _greedy_passes
 from mlx_hybrid.speculative import verify
+from mlx_hybrid.speculative.load import target_dtype
 from mlx_hybrid import attention
 from mlx_hybrid.speculative import accept
 from mlx_hybrid.tree_mask import TreeMask
 from mlx_hybrid.cache import commit, trim_cache
 from mlx_hybrid.models import linear
+from mlx_hybrid import tune
+from mlx_hybrid.profiles import shape_limits
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 
@@ -54,8 +59,10 @@ only.add_argument("--split", action="store_true", help="only the pipelined step 
 only.add_argument("--forwards", action="store_true", help="only the decode step and the forwards over T tokens, each projection path")
 parser.add_argument("--shape", choices=SYNTHETIC, default="smollm2-135m", help="the shape of a new random-weight target")
 parser.add_argument("--dtype", choices=DTYPES, help="the target's float dtype (default: the runtime's)")
+parser.add_argument("--results", type=Path, help="--forwards: also write the pass-cost table's result file into this directory")
 args = parser.parse_args()
 passes_only, split_only = args.passes, args.split
+synthetic = not (args.model / "config.json").is_file()
 d = synthetic_target(args.model, args.shape, heads=not args.forwards)  # made only where there is no model yet
 model = load_model(d, args.dtype)
 methods = [m for m in ("medusa", "redrafter") if (d / m).is_dir()]
@@ -139,21 +146,37 @@ with mx.stream(generation_stream):
             commit(cache, []) if tree is not None else [c.trim(tokens.shape[0]) for c in cache]
         return f
     out["T1_decode"] = ms(fwd(mx.array([5]), None))
+    if kernel_backend() == "cuda":
+        # As `hybrid tune` does: per projection shape, the most rows its row kernel should take.
+        limits = tune.row_limits(model)
+        out["row_limits"] = {shape: row["limit"] for shape, row in limits.items()}
+        linear.LIMITS.update(shape_limits(limits))
     for T in (8, 17, 34, 64):
         toks = mx.array(rng.integers(0, V, T))
         par = [-1] + [(t - 1) // 2 for t in range(1, T)]
         for shape, tree in (("chain", TreeMask.chain(T)), ("tree", TreeMask.from_parents(par))):
             if kernel_backend():
-                out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))
+                out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))  # each projection on the path tuned for it
                 # every projection on MLX's matmul, then every one on the row kernel
+                tuned = dict(linear.LIMITS)
                 for suffix, rows in (("_matmul", 0), ("_rows", linear.ROWS)):
                     rows, linear.ROWS = linear.ROWS, rows
+                    linear.LIMITS.clear()
                     out[f"T{T}_{shape}_kernel{suffix}"] = ms(fwd(toks, tree))
                     linear.ROWS = rows
+                linear.LIMITS.update(tuned)
             kernel, attention.tree_kernel = attention.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
             attention.tree_kernel = kernel
     if args.forwards:
+        if args.results:  # the pass-cost table's row (benchmarks/index.py)
+            device = device_description()
+            shape = args.shape if synthetic else args.model.name
+            name = f"pass-cost-forwards-{shape}-{target_dtype(model)}{f'-{args.bits}bit' if args.bits else ''}"
+            result = dict(label=device["default_label"], device=device, shape=shape, dtype=target_dtype(model), bits=args.bits, command="python -m benchmarks.pass_cost " + shlex.join(sys.argv[1:]), times=out,
+                          timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            args.results.mkdir(parents=True, exist_ok=True)
+            (args.results / f"{slugify(name + ' ' + device['default_label'])}.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(out, indent=1)); sys.exit()
     # sdpa alone
     H, KV, D = model.args.num_attention_heads, model.args.num_key_value_heads, model.args.head_dim

@@ -15,7 +15,7 @@ from tests.helpers.factories import make_hf_model_dir
 from tests.test_speculative import N_TOKENS, run_steps, tie_free_references
 
 from benchmarks import run as bench_run
-from benchmarks.oracle import OracleBeams, OracleTree, continuation, parse_profile
+from benchmarks.oracle import OracleBeams, OracleTree, continuation, parse_profile, profile_of
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.speculative import accept
@@ -169,3 +169,17 @@ def test_speculative_benchmark_rejects_a_bad_profile(capsys):
     with pytest.raises(SystemExit) as e:
         speculative.main(["--synthetic", "smollm2-135m", "--oracle", "--profile", "0.5,2"])
     assert e.value.code == 2 and "--profile takes comma-separated probabilities in [0, 1], got '0.5,2'" in capsys.readouterr().err
+
+
+def test_profile_of_counts_passes_at_each_depth():
+    """Passes accepting 0, 1, 2, 2: 3 of 4 accepted one or more, 2 of those 3 two or more."""
+    assert profile_of([0, 1, 2, 2]) == (0.75, 0.667)
+    assert profile_of([0, 0]) == ()
+
+
+def test_oracle_at_a_measured_profile_accepts_as_the_passes_did():
+    """The oracle run at profile_of(passes) accepts, on average, what those passes accepted."""
+    passes = np.random.default_rng(3).choice([0, 1, 2, 3, 4], 1000, p=[0.3, 0.25, 0.2, 0.15, 0.1]).tolist()
+    reference = np.random.default_rng(4).integers(0, VOCAB, 6000).tolist()
+    for oracle in shapes(reference, 0, profile_of(passes)):
+        assert abs(np.mean(accepted_depths(oracle, reference, 0, 1000)) - np.mean(passes)) < 0.12, oracle.name
