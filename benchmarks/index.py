@@ -220,7 +220,8 @@ def pass_cost_tables(results: list[Result]) -> str:
     steps (T = 1), as tuned and on each single path of the projections."""
     counts = (8, 17, 34, 64)
     paths = [("chain_kernel", "as tuned, chain"), ("tree_kernel", "as tuned, binary tree"),
-             ("chain_kernel_matmul", "all MLX matmul, chain"), ("chain_kernel_rows", "all row kernel, chain")]
+             ("chain_masked", "MLX attention with a mask, chain"),
+             ("chain_kernel_matmul", "tree kernel, all MLX matmul, chain"), ("chain_kernel_rows", "tree kernel, all row kernel, chain")]
     lines = ["Each cell: ms for one forward over T tokens after 256 of context (its cost in decode steps, T = 1).", "",
              "| shape, weights, device | projections | T = 1 | " + " | ".join(f"T = {t}" for t in counts) + " |",
              "| --- | --- | ---: | " + " | ".join("---:" for _ in counts) + " |"]
@@ -230,10 +231,15 @@ def pass_cost_tables(results: list[Result]) -> str:
         step = t["T1_decode"]
         weights = f"{d['bits']}-bit" if d["bits"] else d["dtype"]
         for i, (key, name) in enumerate(p for p in paths if f"T8_{p[0]}" in t):
+            if "tree_attention_limit" not in t:  # measured before the tree kernel's limit was tuned: always the kernel
+                name = name.replace("as tuned", "row kernel as tuned, tree kernel")
             where = f"{d['shape']}, {weights}, {r.device} ({r.date})" if i == 0 else ""
             lines.append(f"| {where} | {name} | {step:.2f} | " + " | ".join(f"{t[f'T{n}_{key}']:.2f} ({t[f'T{n}_{key}'] / step:.2f}×)" for n in counts) + " |")
         limits = ", ".join(f"{shape}: {n}" for shape, n in t.get("row_limits", {}).items())
-        notes.append(f"- {d['shape']}, {weights}: `{show_command(d['command'])}`" + (f"; row kernel limits (rows a projection takes it for): {limits}" if limits else ""))
+        tree = t.get("tree_attention_limit")
+        notes.append(f"- {d['shape']}, {weights}: `{show_command(d['command'])}`"
+                     + (f"; the most rows the row kernel takes, per weight shape: {limits}" if limits else "")
+                     + (f"; the most nodes the tree-attention kernel takes: {tree}" if tree is not None else ""))
     return "\n".join(lines + [""] + notes)
 
 

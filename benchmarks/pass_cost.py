@@ -12,9 +12,10 @@ A model directory with its medusa/ and/or redrafter/ (the default hybrid, a conv
 a new directory: random weights in --shape's (SmolLM2-135M's by default; benchmarks/run.py's
 SYNTHETIC) with untrained heads (benchmarks/speculative.py's). --dtype casts the target's floats.
 --forwards: only the decode step and the forwards over 8, 17, 34 and 64 tokens, on each path of
-the projections: as tuned (on CUDA, the row limits `hybrid tune` would measure, measured first and
-printed as row_limits), all on MLX's matmul, all on the row kernel (the pass-cost table; a new
-directory then gets no heads). 256 context tokens, each timing the median of 20 synchronous runs
+the projections: as tuned (the limits `hybrid tune` would measure, measured first and printed
+as row_limits and tree_attention_limit), all on MLX's matmul, all on the row kernel, and with
+MLX's attention over a mask (the pass-cost table, written into --results; a new directory then
+gets no heads). 256 context tokens, each timing the median of 20 synchronous runs
 (milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
 target as `hybrid convert` does by default. Prints JSON. --passes: only the pipelined decode
 step and passes, for each variant of the pass (the row kernel for the projections or MLX's
@@ -49,6 +50,7 @@ from mlx_hybrid import tune
 from mlx_hybrid.profiles import shape_limits
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
+from mlx_hybrid import tree_attention as tree_attention_module
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("model", type=Path, help="a model directory with its heads, or a new one for random weights")
@@ -151,6 +153,8 @@ with mx.stream(generation_stream):
         limits = tune.row_limits(model)
         out["row_limits"] = {shape: row["limit"] for shape, row in limits.items()}
         linear.LIMITS.update(shape_limits(limits))
+    if kernel_backend():  # and the most nodes the tree-attention kernel should take
+        out["tree_attention_limit"] = tree_attention_module.LIMIT = tune.attention_limit(model)["limit"]
     for T in (8, 17, 34, 64):
         toks = mx.array(rng.integers(0, V, T))
         par = [-1] + [(t - 1) // 2 for t in range(1, T)]
@@ -158,13 +162,15 @@ with mx.stream(generation_stream):
             if kernel_backend():
                 out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))  # each projection on the path tuned for it
                 # every projection on MLX's matmul, then every one on the row kernel
-                tuned = dict(linear.LIMITS)
+                tuned, tuned_tree = dict(linear.LIMITS), tree_attention_module.LIMIT
+                tree_attention_module.LIMIT = None
                 for suffix, rows in (("_matmul", 0), ("_rows", linear.ROWS)):
                     rows, linear.ROWS = linear.ROWS, rows
                     linear.LIMITS.clear()
                     out[f"T{T}_{shape}_kernel{suffix}"] = ms(fwd(toks, tree))
                     linear.ROWS = rows
                 linear.LIMITS.update(tuned)
+                tree_attention_module.LIMIT = tuned_tree
             kernel, attention.tree_kernel = attention.tree_kernel, lambda *args: None
             out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
             attention.tree_kernel = kernel

@@ -128,19 +128,23 @@ def synthetic_target(d: Path, shape: str = "smollm2-135m", heads: bool = True) -
     return d
 
 
-def row_limits(target_dir: Path, model) -> dict:
-    """Which products of a pass take the row kernel (`linear.LIMITS`), set as `hybrid chat` sets
-    them: from the model's tuning profile, else, where the kernel runs (CUDA), measured now as
-    `hybrid tune` measures them, so that a pass never takes the slower path for a shape."""
-    from mlx_hybrid import profiles, tune
+def kernel_limits(target_dir: Path, model) -> dict:
+    """Which parts of a pass take this project's kernels (`linear.LIMITS`, `tree_attention.LIMIT`),
+    set as `hybrid chat` sets them: from the model's tuning profile, else, where the kernels run,
+    measured now as `hybrid tune` measures them, so that a pass never takes the slower path.
+    Returns them for the result file."""
+    from mlx_hybrid import profiles, tree_attention, tune
     from mlx_hybrid.kernels import kernel_backend
     from mlx_hybrid.models import linear
 
-    limits = profiles.row_limits(target_dir, model)
-    if not limits and kernel_backend() == "cuda":
-        limits = profiles.shape_limits(tune.row_limits(model))
-    linear.LIMITS.update(limits)
-    return limits
+    rows, tree = profiles.kernel_limits(target_dir, model)
+    if not rows and kernel_backend() == "cuda":
+        rows = profiles.shape_limits(tune.row_limits(model))
+    linear.LIMITS.update(rows)
+    if tree is None and kernel_backend() is not None:
+        tree = tune.attention_limit(model)["limit"]
+    tree_attention.LIMIT = tree
+    return {"row_limits": {f"{n}x{k}": v for (n, k), v in rows.items()}, "tree_attention_limit": tree}
 
 
 def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = (),
@@ -282,7 +286,7 @@ def main(argv=None) -> int:
     else:
         target_dir = args.model
         ours = load_model(target_dir)
-    limits = row_limits(target_dir, ours)
+    limits = kernel_limits(target_dir, ours)
     device = device_description()
     label = args.label or device["default_label"]
     if args.synthetic:
@@ -325,7 +329,7 @@ def main(argv=None) -> int:
         rows.append(dict(method=name, tps=tps, speedup=speedup, tokens_per_step=per_step, same=all(t["same"] for t in ts)))
     command = "python -m benchmarks.speculative " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = dict(label=label, device=device, command=command, model=str(args.synthetic or args.model),
-                  dtype=target_dtype(ours), prompts=prompt_desc, row_limits={f"{n}x{k}": v for (n, k), v in limits.items()}, args={k: str(v) for k, v in vars(args).items()},
+                  dtype=target_dtype(ours), prompts=prompt_desc, **limits, args={k: str(v) for k, v in vars(args).items()},
                   rows=rows, trials=trials, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     slug = slugify(f"speculative {args.synthetic or args.model.name} {'' if args.synthetic else args.prompt_set} {label}")
     out_dir = args.results

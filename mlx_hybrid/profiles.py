@@ -11,7 +11,9 @@ of the measured chip closest in GPU cores below them (M1 Ultra and M2 Max sit be
 A Medusa tree gets as many candidates as the preset beam verifies, BW * (BL - 1).
 
 On MLX's CUDA backend a profile also holds, per projection weight shape, the most rows of a pass
-the row kernel takes (`row_limits`, into `mlx_hybrid.models.linear.LIMITS`).
+the row kernel takes (`row_limits`, into `mlx_hybrid.models.linear.LIMITS`), and where a
+tree-attention kernel runs, the most nodes it takes (`tree_attention`, into
+`mlx_hybrid.tree_attention.LIMIT`).
 """
 
 import hashlib
@@ -172,6 +174,10 @@ def check_profile(profile: dict, path: Path, model_dir: Path, model=None):
         limit = row.get("limit") if isinstance(row, dict) else None
         if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", str(shape)) or not isinstance(limit, int) or not 0 <= limit <= ROWS:
             raise HybridError(f"{path}: row_limits needs NxK: {{'limit': 0..{ROWS}}}, got {shape!r}: {row!r}")
+    attention = profile.get("tree_attention", {"limit": 0})
+    limit = attention.get("limit") if isinstance(attention, dict) else None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise HybridError(f"{path}: tree_attention needs {{'limit': a node count >= 0}}, got {attention!r}")
 
 
 def chip_preset(device: str) -> tuple[str, int] | None:
@@ -200,11 +206,15 @@ def settings_for(method: str, model_dir: str | Path | None, model=None) -> Setti
     return Settings(width, PRESET_BEAM_LENGTH, source=f"{chip} preset")
 
 
-def row_limits(model_dir: str | Path | None, model=None) -> dict[tuple[int, int], int]:
-    """The most rows the row kernel takes per weight shape, as this device's profile measured them
-    (`mlx_hybrid.models.linear.LIMITS`, which a verification pass reads); {} without a profile."""
+def kernel_limits(model_dir: str | Path | None, model=None) -> tuple[dict[tuple[int, int], int], int | None]:
+    """Which parts of a verification pass take this project's kernels, as this device's profile
+    measured them: the most rows the row kernel takes per weight shape (`linear.LIMITS`) and the
+    most nodes the tree-attention kernel takes (`tree_attention.LIMIT`); ({}, None) without a
+    profile."""
     found = load_profile(model_dir, model) if model_dir is not None else None
-    return shape_limits(found[0].get("row_limits", {})) if found else {}
+    if not found:
+        return {}, None
+    return shape_limits(found[0].get("row_limits", {})), found[0].get("tree_attention", {}).get("limit")
 
 
 def shape_limits(row_limits: dict) -> dict[tuple[int, int], int]:

@@ -16,6 +16,13 @@ import mlx.core as mx
 from mlx_hybrid.kernels import kernel_backend, load_kernel
 from mlx_hybrid.rope import apply_rope_at
 
+# The most nodes a pass gives the kernel, where `hybrid tune` measured that MLX's attention with
+# the tree's mask wins beyond (`mlx_hybrid.tune.attention_limit`); None: every tree the kernel
+# fits. The kernel saves launches, which a small model's pass is bound by; a large model's pass
+# is bound by its reads, and there MLX's fused attention can be the faster (head dim 128, four
+# query heads a key), so which wins depends on the model and the device and is measured.
+LIMIT: int | None = None
+
 
 def tree_attention_ref(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
                        visible: mx.array, prefix: int | mx.array, scale: float | mx.array, positions: mx.array,
@@ -112,12 +119,14 @@ def tree_kernel(qk: mx.array, keys: mx.array, window: int | None) -> str | None:
     """The backend whose kernel can run this layer's tree attention, if any, for the nodes'
     queries and keys qk (1, heads + kv_heads, nodes, D) over the cache's keys: the kernel takes
     one sequence, keys in the queries' dtype, no sliding window that hides part of the cache, and
-    a tree whose turned keys fit its threadgroup memory."""
+    a tree whose turned keys fit its threadgroup memory, of at most LIMIT nodes."""
     backend = kernel_backend()
     if backend is None or qk.shape[0] != 1 or keys.dtype != qk.dtype:
         return None
     if window is not None and keys.shape[2] > window:
         return None
     _, heads, T, D = qk.shape
+    if LIMIT is not None and T > LIMIT:
+        return None
     KV = keys.shape[1]
     return backend if launch(heads - KV, KV, T, D, qk.dtype) else None

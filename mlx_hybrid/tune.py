@@ -15,7 +15,9 @@ beam width 1 was best on an M1 Max, 3-4 on an M2 Ultra). The tuner measures, her
 On MLX's CUDA backend it first measures, for each projection weight shape of the model, the row
 kernel against MLX's matmul at every candidate count, and keeps in the profile the most rows the
 kernel should take for that shape (`linear.LIMITS`; the verification cost is then measured with
-those limits, so the same cost model holds at every model size). Then it
+those limits, so the same cost model holds at every model size). Where a tree-attention kernel
+runs (Metal, CUDA) it measures a pass with the kernel and with MLX's attention over the tree's mask
+at each tree size, and keeps the most nodes the kernel should take (`tree_attention.LIMIT`). Then it
 predicts tokens/s = T / (t(n) + drafting) for every setting, then runs the best predicted settings,
 the defaults and plain decoding end to end on the prompts and keeps the fastest measured (so host
 overheads the model leaves out cannot pick a loser). The result is a profile
@@ -35,6 +37,7 @@ from mlx_hybrid.cache import commit
 from mlx_hybrid.decode import generate_step, prefill
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid import tree_attention
 from mlx_hybrid.models import linear, qlinear
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.profiles import Settings, device_name, model_key, shape_limits
@@ -79,7 +82,8 @@ def _median_seconds(fn, reps: int) -> float:
 
 def stages(methods: list[str]) -> list[str]:
     """The stages `tune` reports progress for, in order."""
-    return (["projection cost"] * (kernel_backend() == "cuda") + ["verification cost", "greedy runs"]
+    return (["projection cost"] * (kernel_backend() == "cuda") + ["attention cost"] * (kernel_backend() is not None)
+            + ["verification cost", "greedy runs"]
             + ["beam acceptance", "drafting cost"] * ("redrafter" in methods) + ["tree cost"] * ("medusa" in methods)
             + ["end-to-end runs"])
 
@@ -129,6 +133,27 @@ def row_limits(model: nn.Module, counts=COUNTS, reps: int = 5, chain: int = 10, 
         out[f"{N}x{K}"] = {"n": counts, **times, "limit": linear.row_limit(counts, times["kernel"], times["matmul"])}
         if progress:
             progress(i + 1, len(layers))
+    return out
+
+
+def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None) -> dict:
+    """Seconds of a verification pass over a binary tree of n nodes (2..64) after `context`
+    tokens, its attention on the tree-attention kernel and on MLX's attention with the tree's
+    mask, and the most nodes the kernel should take (`linear.row_limit`'s rule):
+    {"n", "kernel", "masked", "limit"}. The whole pass, so that what the kernel saves in launches
+    and what it costs in reads are weighed as a pass weighs them."""
+    counts = [n for n in counts if n > 1]
+    saved, out = tree_attention.LIMIT, {"n": counts, "kernel": [], "masked": []}
+    try:
+        for i, n in enumerate(counts):
+            for name, limit in (("kernel", None), ("masked", 0)):
+                tree_attention.LIMIT = limit
+                out[name].append(verification_cost(model, [n], context, reps)["tree"][0])
+            if progress:
+                progress(i + 1, len(counts))
+    finally:
+        tree_attention.LIMIT = saved
+    out["limit"] = linear.row_limit(counts, out["kernel"], out["masked"])
     return out
 
 
@@ -220,6 +245,10 @@ def tune(
         limits = profile["row_limits"] = row_limits(model, counts, progress=lambda d, t: report("projection cost", d, t))
         linear.LIMITS.update(shape_limits(limits))
         profile["stages"].append("projection cost")
+    if kernel_backend() is not None:
+        attention = profile["tree_attention"] = attention_limit(model, counts, progress=lambda d, t: report("attention cost", d, t))
+        tree_attention.LIMIT = attention["limit"]
+        profile["stages"].append("attention cost")
     verify = verification_cost(model, counts, progress=lambda d, t: report("verification cost", d, t))
     profile["verification_seconds"] = verify
     profile["stages"].append("verification cost")

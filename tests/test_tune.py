@@ -250,7 +250,36 @@ def test_row_limits_per_projection_shape_and_in_the_profile(monkeypatch, model_d
     path = profiles.profile_path(model_dir)
     profile = {"best": {}, "choice": None, "row_limits": {"96x32": {"limit": 8}}}
     profiles.save_profile(profile, path)
-    assert profiles.row_limits(model_dir) == {(96, 32): 8}
+    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, None)
     profiles.save_profile(profile | {"row_limits": {"96x32": {"limit": 1000}}}, path)
     with pytest.warns(profiles.ProfileWarning, match="row_limits needs NxK"):
-        assert profiles.row_limits(model_dir) == {}
+        assert profiles.kernel_limits(model_dir) == ({}, None)
+
+
+def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monkeypatch, model_dir, cache_dir):  # noqa: F811
+    """`attention_limit` times each tree size with the kernel allowed (LIMIT None) and refused
+    (LIMIT 0), restores LIMIT, and keeps the last size up to which the kernel never lost (here
+    stand-in passes: the kernel's cost n, masked attention's 5, so it wins up to 4 nodes); the
+    kernel then takes no tree past the limit, and a profile's limit comes back with the rows'."""
+    from mlx_hybrid import tree_attention
+
+    def fake_cost(model, counts, context=256, reps=5):
+        n = counts[0]
+        return {"n": [n], "chain": [0.0], "tree": [float(n) if tree_attention.LIMIT is None else 5.0]}
+
+    monkeypatch.setattr(tune_module, "verification_cost", fake_cost)
+    monkeypatch.setattr(tree_attention, "LIMIT", 7)
+    got = tune_module.attention_limit(None, counts=(1, 2, 4, 8, 16))
+    assert got == {"n": [2, 4, 8, 16], "kernel": [2.0, 4.0, 8.0, 16.0], "masked": [5.0] * 4, "limit": 4}
+    assert tree_attention.LIMIT == 7
+    monkeypatch.setattr(tree_attention, "kernel_backend", lambda: "cuda")
+    keys = mx.zeros((1, 2, 40, 16), mx.float16)
+    for nodes, want in ((7, "cuda"), (8, None)):
+        assert tree_attention.tree_kernel(mx.zeros((1, 6, nodes, 16), mx.float16), keys, None) == want
+    path = profiles.profile_path(model_dir)
+    profile = {"best": {}, "choice": None, "tree_attention": {"limit": 12}}
+    profiles.save_profile(profile, path)
+    assert profiles.kernel_limits(model_dir) == ({}, 12)
+    profiles.save_profile(profile | {"tree_attention": {"limit": -1}}, path)
+    with pytest.warns(profiles.ProfileWarning, match="tree_attention needs"):
+        assert profiles.kernel_limits(model_dir) == ({}, None)
