@@ -199,7 +199,7 @@ def speculative_tables(results: list[Result]) -> str:
     for r in results:
         d, a = r.data, r.data.get("args", {})
         model = re.sub(r"-(chat|news)$", "", r.model)  # the prompt set: in the notes below
-        peer = d["trials"].get("mlx-lm draft")
+        peer = d["trials"].get("mlx-lm oracle draft") or d["trials"].get("mlx-lm draft")  # the oracle rows' peer: at their acceptance
         for i, row in enumerate(d["rows"]):
             ms = 1000 * row["tokens_per_step"] / row["tps"]
             # paired, as "vs mlx-hybrid plain" is: each trial against that trial's mlx-lm draft run

@@ -135,6 +135,59 @@ class OracleBeams(Oracle):
         return beam_draft(packed.tokens, packed.tree.parents, packed.tree.depths, packed.tree.mask, packed.node_of, packed.count)
 
 
+class OracleDraft:
+    """An oracle draft model for mlx-lm's `speculative_generate_step`: its k drafts a round are
+    the reference's next tokens, depth d right with probability profile[d - 1] given d - 1 was
+    (the same draw as `Oracle`'s), every other draft a wrong token, so that mlx-lm's draft-model
+    decoding runs at the acceptance the oracle rows run at. It reads where it is from its cache's
+    offset (the tokens it was fed, less what mlx-lm trimmed), and a round starts at each trim,
+    which mlx-lm makes after every verification. Its logits cost one small array a call."""
+
+    def __init__(self, reference: list[int], start: int, profile, vocab: int, seed: int = 0):
+        """start: where the first generated token sits in reference (the prompt's length)."""
+        self.reference, self.start, self.vocab, self.rng = list(reference), start, vocab, np.random.default_rng(seed)
+        self.profile = np.asarray(profile, np.float64)
+        self.cache = _DraftCache(self)
+        self.round = None
+
+    def make_cache(self) -> list:
+        self.cache.offset, self.round = 0, None
+        return [self.cache]
+
+    def start_round(self):
+        right = self.rng.random(len(self.profile)) < self.profile
+        self.round = [0, int(np.argmin(right)) if not right.all() else len(self.profile)]  # calls made, depths right
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        c = cache[0]
+        c.offset += inputs.shape[1]
+        at = c.offset  # the reference position this call predicts
+        if at < self.start:  # the prompt's prefill: no draft
+            return mx.zeros((1, inputs.shape[1], self.vocab))
+        if self.round is None:
+            self.start_round()
+        self.round[0] += 1
+        truth = self.reference[at] if at < len(self.reference) else 0
+        token = truth if self.round[0] <= self.round[1] else (truth + 1 + int(self.rng.integers(self.vocab - 1))) % self.vocab
+        logits = mx.where(mx.arange(self.vocab) == token, 30.0, 0.0)
+        return mx.broadcast_to(logits, (1, inputs.shape[1], self.vocab))
+
+
+class _DraftCache:
+    """What mlx-lm asks of a draft's cache: an offset it can trim, and a state to evaluate."""
+
+    def __init__(self, draft: OracleDraft):
+        self.draft, self.offset, self.state = draft, 0, mx.zeros(1)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        self.offset -= n
+        self.draft.round = None  # a verification happened: the next call starts a round
+        return n
+
+
 def measure(model_dir: Path, prompts: list[list[int]], gen_tokens: int, method: str = "redrafter") -> dict:
     """Run the model's own trained `method` greedily after each prompt and count the drafts each
     pass accepted: {"profile": (P(>= d | >= d - 1) for d = 1..depth), "tokens_per_pass", "passes"}."""

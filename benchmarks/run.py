@@ -212,11 +212,26 @@ def device_description() -> dict:
 # ----------------------------------------------------------------------------- models
 
 
-def make_synthetic(name: str, dest: Path, seed: int) -> Path:
+# How much larger than the layers' weights a peaked target's embedding is (std 100 against 0.02).
+PEAK = 5000
+
+
+def make_synthetic(name: str, dest: Path, seed: int, peaked: bool = False) -> Path:
     """A float16 Hugging Face Llama dir with random weights (normal, std 0.02; norms 1) in `name`'s
     shape. MLX draws them (a key per tensor from `seed`): transformers' initialization of an 8B
     model takes minutes on a CPU. The tensors are named and shaped as mlx-lm's Llama has them,
-    which is the checkpoints' layout both runtimes load."""
+    which is the checkpoints' layout both runtimes load.
+
+    peaked: a target whose next token is a fixed function of its current one, about 70 above every
+    other logit. A random model's logits are flat, so the two best are often within rounding of
+    each other, and a verification pass, which sums in another order than a decode step, then
+    decodes another token (docs/speculative.md); the oracle's continuation, computed by decode
+    steps, would stop being what the passes decode. Here the embedding is PEAK times larger, so a
+    position's residual stream is its token's embedding plus a little of the layers' outputs, and
+    the LM head reads that embedding back: untied, head row pi(t) is token t's embedding (pi a
+    fixed random permutation: the text walks pi); tied, the final norm is scaled down so that t's
+    own logit peaks by as much (the text repeats its last token). The work per token, which is
+    what the benchmarks time, is a random model's."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.llama import Model, ModelArgs
@@ -234,6 +249,14 @@ def make_synthetic(name: str, dest: Path, seed: int) -> Path:
         k: mx.random.normal(p.shape, mx.float16, scale=0.02, key=key) if p.ndim > 1 else mx.ones(p.shape, mx.float16)
         for (k, p), key in zip(shapes, keys)
     }
+    if peaked:
+        embed = weights["model.embed_tokens.weight"]
+        if "lm_head.weight" in weights:
+            order = mx.argsort(mx.random.permutation(embed.shape[0], key=mx.random.key(seed + 1)))
+            weights["lm_head.weight"] = embed[order]  # row pi(t) = embedding t
+        else:  # t's logit: PEAK * g * |e_t|^2 / 0.02 = 100 g d; g = 0.8 / d puts it near 80
+            weights["model.norm.weight"] = mx.full(weights["model.norm.weight"].shape, 0.8 / embed.shape[1], mx.float16)
+        weights["model.embed_tokens.weight"] = embed * PEAK
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dest

@@ -44,7 +44,7 @@ import mlx.utils
 
 BENCH_DIR = Path(__file__).resolve().parent
 from benchmarks.index import render_file  # noqa: E402
-from benchmarks.oracle import PROFILE, OracleBeams, OracleTree, continuation, parse_profile  # noqa: E402
+from benchmarks.oracle import PROFILE, OracleBeams, OracleDraft, OracleTree, continuation, parse_profile  # noqa: E402
 from benchmarks.run import SYNTHETIC, device_description, make_synthetic, slugify  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
@@ -65,8 +65,9 @@ CHAT_PROMPTS = BENCH_DIR / "chat_prompts.txt"
 
 
 def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
-    """Medusa heads (Medusa's initialization), a random drafter and a layer-truncated draft, in
-    the docs/formats/speculative-heads.md layout, beside a synthetic target."""
+    """Medusa heads (Medusa's initialization), a random drafter and (draft_layers > 0) a draft of
+    the target's first layers, in the docs/formats/speculative-heads.md layout, beside a
+    synthetic target."""
     from safetensors.numpy import save_file
 
     import numpy as np
@@ -95,6 +96,8 @@ def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
         (target_dir / name).mkdir(exist_ok=True)
         save_file(tensors, str(target_dir / name / "model.safetensors"))
         (target_dir / name / "config.json").write_text(json.dumps(dict(config, hidden_size=H, vocab_size=V)))
+    if not draft_layers:
+        return
     draft = target_dir / "draft"
     draft.mkdir(exist_ok=True)
     config = json.loads((target_dir / "config.json").read_text())
@@ -202,18 +205,25 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
 
         return run
 
-    def lm_spec(prompt, n):
+    def lm_spec(prompt, n, draft=None):
         steps = [0]
 
         def tokens():
             for t, _, from_draft in speculative_generate_step(
-                mx.array(prompt), lm_target, lm_draft, num_draft_tokens=k, max_tokens=n, sampler=argmax
+                mx.array(prompt), lm_target, draft or lm_draft, num_draft_tokens=k, max_tokens=n, sampler=argmax
             ):
                 steps[0] += not from_draft
                 yield int(t)
 
         toks, secs = timed(tokens(), n)
         return toks, secs, steps[0]
+
+    def lm_oracle(prompt, n):
+        """mlx-lm's draft-model decoding with a draft at the oracle's acceptance (`OracleDraft`)."""
+        key = (tuple(prompt), n + k)
+        if key not in references:
+            references[key] = list(prompt) + continuation(ours, prompt, n + k)
+        return lm_spec(prompt, n, OracleDraft(references[key], len(prompt), profile[:k], ours.args.vocab_size))
 
     out = {"mlx-hybrid plain": ours_plain} | ({"mlx-lm plain": lm_plain} if lm_target else {})
     variants = {
@@ -234,6 +244,8 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
                     out[f"mlx-hybrid oracle redrafter{suffix}"] = oracle(partial(OracleBeams, proposer.width, proposer.length), proposer.depth)
     if lm_draft is not None:
         out["mlx-lm draft"] = lm_spec
+    if profile is not None and lm_target is not None:
+        out["mlx-lm oracle draft"] = lm_oracle
     return out
 
 
@@ -277,12 +289,16 @@ def main(argv=None) -> int:
         p.error(str(e))
 
     if args.synthetic:
-        target_dir = args.work_dir / f"{args.synthetic}-speculative"
+        # With --oracle a peaked target (run.make_synthetic), so that passes decode the oracle's
+        # continuation; a draft of its first layers would agree with it always, so mlx-lm's
+        # draft-model row runs an oracle draft instead (OracleDraft).
+        peaked = args.oracle
+        target_dir = args.work_dir / f"{args.synthetic}{'-peaked' if peaked else ''}-speculative"
         if not (target_dir / "config.json").is_file():
-            make_synthetic(args.synthetic, target_dir, seed=0)
+            make_synthetic(args.synthetic, target_dir, seed=0, peaked=peaked)
         ours = load_model(target_dir)
         if not (target_dir / "medusa").is_dir():
-            write_heads(target_dir, ours, seed=0, draft_layers=args.draft_layers)
+            write_heads(target_dir, ours, seed=0, draft_layers=0 if peaked else args.draft_layers)
     else:
         target_dir = args.model
         ours = load_model(target_dir)

@@ -15,7 +15,7 @@ from tests.helpers.factories import make_hf_model_dir
 from tests.test_speculative import N_TOKENS, run_steps, tie_free_references
 
 from benchmarks import run as bench_run
-from benchmarks.oracle import OracleBeams, OracleTree, continuation, parse_profile, profile_of
+from benchmarks.oracle import OracleBeams, OracleDraft, OracleTree, continuation, parse_profile, profile_of
 from mlx_hybrid.errors import HybridError
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.speculative import accept
@@ -69,8 +69,13 @@ def test_oracle_profile_shorter_than_the_depth_stops_there():
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    model = load_model(make_hf_model_dir(tmp_path_factory.mktemp("oracle") / "m", seed=0), "float32")
+def target_dir(tmp_path_factory):
+    return make_hf_model_dir(tmp_path_factory.mktemp("oracle") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    model = load_model(target_dir, "float32")
     return model, tie_free_references(model, 3)
 
 
@@ -158,9 +163,59 @@ def test_speculative_benchmark_oracle_end_to_end(tmp_path, tiny_shape):
                              "--results", str(out)]) == 0
     result = json.loads(next(out.glob("*.json")).read_text())
     rows = {r["method"]: r for r in result["rows"]}
-    assert {"mlx-hybrid oracle medusa", "mlx-hybrid oracle redrafter", "mlx-lm draft", "mlx-hybrid plain"} <= set(rows)
+    assert {"mlx-hybrid oracle medusa", "mlx-hybrid oracle redrafter", "mlx-lm oracle draft", "mlx-hybrid plain"} <= set(rows)
+    assert "mlx-lm draft" not in rows  # a peaked target's own layers would draft it perfectly
     assert all(r["same"] for r in rows.values()), rows
-    assert rows["mlx-hybrid oracle medusa"]["tokens_per_step"] > 1.5
+    for name in ("mlx-hybrid oracle medusa", "mlx-hybrid oracle redrafter", "mlx-lm oracle draft"):
+        assert rows[name]["tokens_per_step"] > 2, name  # 1 + .9 + .72 + .5 + .3 expected
+
+
+def test_peaked_target_has_no_near_tie(tmp_path, tiny_shape, monkeypatch):
+    """The oracle's target: in float16 and bfloat16 every position's best logit is far above the
+    second (more than a third of the best), untied its next token is pi(current), tied the
+    current one again."""
+    for tied in (False, True):
+        monkeypatch.setitem(bench_run.SYNTHETIC, "tiny", dict(TINY, tie_word_embeddings=tied))
+        d = bench_run.make_synthetic(tiny_shape, tmp_path / str(tied), seed=0, peaked=True)
+        x = mx.array(np.random.default_rng(0).integers(0, 512, 40))
+        nexts = []
+        for dtype in ("float16", "bfloat16"):
+            model = load_model(d, dtype)
+            top = mx.sort(model(x[None], model.make_cache())[0].astype(mx.float32), axis=-1)[:, -2:]
+            assert bool(mx.all(top[:, 1] - top[:, 0] > top[:, 1] / 3)), (tied, dtype)
+            nexts.append(mx.argmax(model(x[None], model.make_cache())[0], axis=-1))
+        assert mx.array_equal(nexts[0], nexts[1])
+        assert mx.array_equal(nexts[0], x) == tied
+
+
+@pytest.mark.parametrize("profile", [(1.0,) * 4, (0.0,) * 4, (0.8, 0.6, 0.5, 0.5)])
+def test_mlx_lm_oracle_draft_accepts_at_the_profile(target, target_dir, profile):
+    """mlx-lm's speculative_generate_step with OracleDraft: the target's greedy tokens, and its
+    drafts accepted as the profile says: all 4 a round, none, or on average
+    .8 + .8*.6 + .8*.6*.5 + .8*.6*.5*.5 = 1.52 (within 0.35 over a few dozen rounds)."""
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.utils import load_model as lm_load_model
+
+    model, references = target
+    lm = lm_load_model(target_dir)[0]
+    lm.set_dtype(mx.float32)
+    accepted, rounds = 0, 0
+    for prompt, ref in references:
+        full = list(prompt) + continuation(model, prompt, N_TOKENS + 4)
+        got, run = [], []
+        for t, _, from_draft in speculative_generate_step(mx.array(prompt), lm, OracleDraft(full, len(prompt), profile, model.args.vocab_size),
+                                                          num_draft_tokens=4, max_tokens=N_TOKENS, sampler=lambda x: mx.argmax(x, -1)):
+            got.append(int(t))
+            run.append(from_draft)
+        assert got == ref
+        rounds += run.count(False)
+        accepted += run.count(True)
+    if profile[0] == 1.0:
+        assert accepted >= 4 * (rounds - len(references))  # every round but the last (cut at max_tokens) accepts 4
+    elif profile[0] == 0.0:
+        assert accepted == 0
+    else:
+        assert abs(accepted / rounds - 1.52) < 0.35
 
 
 def test_speculative_benchmark_rejects_a_bad_profile(capsys):
