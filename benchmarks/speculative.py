@@ -74,7 +74,7 @@ def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
 
     rng = np.random.default_rng(seed)
     H, V = model.args.hidden_size, model.args.vocab_size
-    lm = np.array(model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight, np.float32)
+    lm = np.array((model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight).astype(mx.float32))
     heads = 4
     medusa = {}
     for i in range(heads):
@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads-dtype", choices=sorted(DTYPES), default=None,
                    help="run each Medusa and ReDrafter row again with the heads in this dtype (default: the target's only)")
     p.add_argument("--draft-layers", type=int, default=2, help="synthetic: layers of the truncated draft")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the target's float dtype (default: the runtime's for its files)")
     p.add_argument("--oracle", action="store_true", help="add oracle rows: drafts from the target's greedy continuation "
                    "at the --profile acceptance, in each Medusa tree's and ReDrafter beam's shape")
     p.add_argument("--profile", default=",".join(map(str, PROFILE)),
@@ -296,12 +297,12 @@ def main(argv=None) -> int:
         target_dir = args.work_dir / f"{args.synthetic}{'-peaked' if peaked else ''}-speculative"
         if not (target_dir / "config.json").is_file():
             make_synthetic(args.synthetic, target_dir, seed=0, peaked=peaked)
-        ours = load_model(target_dir)
+        ours = load_model(target_dir, args.dtype)
         if not (target_dir / "medusa").is_dir():
             write_heads(target_dir, ours, seed=0, draft_layers=0 if peaked else args.draft_layers)
     else:
         target_dir = args.model
-        ours = load_model(target_dir)
+        ours = load_model(target_dir, args.dtype)
     limits = kernel_limits(target_dir, ours)
     device = device_description()
     label = args.label or device["default_label"]
