@@ -74,7 +74,7 @@ def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
 
     rng = np.random.default_rng(seed)
     H, V = model.args.hidden_size, model.args.vocab_size
-    lm = np.array((model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight).astype(mx.float32))
+    lm = np.array((model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight).astype(mx.float16))  # as the target is stored
     heads = 4
     medusa = {}
     for i in range(heads):
@@ -82,12 +82,12 @@ def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
         medusa[f"medusa_head.{i}.0.linear.bias"] = np.zeros(H, np.float32)
         medusa[f"medusa_head.{i}.1.weight"] = lm
     drafter = {
-        "lm_head.0.linear.weight": rng.normal(0, 0.02, (2 * H, 2 * H)).astype(np.float32),
+        "lm_head.0.linear.weight": rng.normal(0, 0.02, (2 * H, 2 * H)).astype(np.float16),
         "lm_head.0.linear.bias": np.zeros(2 * H, np.float32),
-        "lm_head.1.weight": rng.normal(0, 0.02, (V, 2 * H)).astype(np.float32),
-        "rnn_u.weight": rng.normal(0, 0.02, (H, H)).astype(np.float32),
+        "lm_head.1.weight": rng.normal(0, 0.02, (V, 2 * H)).astype(np.float16),
+        "rnn_u.weight": rng.normal(0, 0.02, (H, H)).astype(np.float16),
         "rnn_u.bias": np.zeros(H, np.float32),
-        "rnn_w.weight": rng.normal(0, 0.02, (H, H)).astype(np.float32),
+        "rnn_w.weight": rng.normal(0, 0.02, (H, H)).astype(np.float16),
     }
     for name, tensors, config in [
         ("medusa", medusa, dict(model_type="medusa", medusa_num_heads=heads, medusa_num_layers=1)),
