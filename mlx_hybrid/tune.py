@@ -327,7 +327,8 @@ def tune(
 
 def plot(profile: dict, path: Path):
     """Predicted (lines) and measured (points) tokens/s vs beam width per beam length, Medusa's vs
-    tree size, and the verification cost vs candidates."""
+    tree size, and the verification cost vs candidates (with the attention cost stage's two
+    paths, where it ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,6 +341,10 @@ def plot(profile: dict, path: Path):
     ax = axes[0]
     ax.plot(v["n"], np.array(v["chain"]) * 1e3, "o-", label="chain")
     ax.plot(v["n"], np.array(v["tree"]) * 1e3, "s--", label="tree")
+    if "tree_attention" in profile:  # the attention cost stage: which path a tree's attention takes
+        a = profile["tree_attention"]
+        ax.plot(a["n"], np.array(a["kernel"]) * 1e3, ":", label="tree, attention kernel")
+        ax.plot(a["n"], np.array(a["masked"]) * 1e3, ":", label="tree, MLX attention + mask")
     ax.set(xlabel="candidate tokens verified", ylabel="ms per verification pass", title="verification cost")
     ax.legend(fontsize=8)
     k = 1
