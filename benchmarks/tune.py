@@ -29,9 +29,7 @@ from benchmarks.index import render_file  # noqa: E402
 from benchmarks.run import device_description, slugify  # noqa: E402
 
 from mlx_hybrid.loader import load  # noqa: E402
-from mlx_hybrid import tree_attention  # noqa: E402
-from mlx_hybrid.models import linear  # noqa: E402
-from mlx_hybrid.profiles import Settings, kernel_limits, load_profile, profile_path, save_profile  # noqa: E402
+from mlx_hybrid.profiles import Settings, load_profile, profile_path, save_profile, use_kernel_limits  # noqa: E402
 from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
 from mlx_hybrid.tune import PROMPTS_FILE, calibration_prompts, decode_speed, plot, tune  # noqa: E402
 
@@ -78,8 +76,7 @@ def main(argv=None) -> int:
     else:
         profile, path = found
         status = f"reused (made {profile['created']})"
-        rows, tree_attention.LIMIT = kernel_limits(args.model, model)  # as `hybrid tune` left them, and chat sets them
-        linear.LIMITS.update(rows)
+        use_kernel_limits(args.model, model)  # as `hybrid tune` left them, and chat sets them
     plot(profile, BENCH_DIR / "results" / f"{slugify('tune profile ' + args.model.name + ' ' + (args.label or device_description()['default_label']))}.png")
     lines = PROMPTS_FILE.read_text().splitlines()
     prompts = [tokenizer.encode(t) for t in lines[len(lines) // 2 :][: args.prompts]]

@@ -114,9 +114,7 @@ def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draf
     settings (`mlx_hybrid.profiles`). Without --speculative: the method a `hybrid tune` profile
     found fastest here, or None (plain decoding)."""
     from mlx_hybrid.hub import resolve
-    from mlx_hybrid.models import linear
-    from mlx_hybrid import tree_attention
-    from mlx_hybrid.profiles import kernel_limits, profile_choice, settings_for
+    from mlx_hybrid.profiles import profile_choice, settings_for, use_kernel_limits
 
     if method is None:
         method = profile_choice(model_dir, target)
@@ -124,8 +122,7 @@ def _proposer(method, target, tokenizer, model_dir, heads, draft_model, num_draf
             return None
     from mlx_hybrid.speculative import load_proposer
 
-    rows, tree_attention.LIMIT = kernel_limits(model_dir, target)  # which parts of a pass take the kernels
-    linear.LIMITS.update(rows)
+    use_kernel_limits(model_dir, target)  # which parts of a pass take the kernels here
 
     settings = settings_for(method, model_dir, target) if method in ("medusa", "redrafter") else None
     with err.status(f"Loading the {method} speculator ..."):

@@ -217,6 +217,17 @@ def kernel_limits(model_dir: str | Path | None, model=None) -> tuple[dict[tuple[
     return shape_limits(found[0].get("row_limits", {})), found[0].get("tree_attention", {}).get("limit")
 
 
+def use_kernel_limits(model_dir: str | Path | None, model=None):
+    """Make the passes that follow take the kernels where this device's profile measured that
+    they win (`kernel_limits`): what chat, generate and serve do before they speculate, and what
+    a program using `load_proposer` does to get the same passes."""
+    from mlx_hybrid import tree_attention
+    from mlx_hybrid.models import linear
+
+    rows, tree_attention.LIMIT = kernel_limits(model_dir, model)
+    linear.LIMITS.update(rows)
+
+
 def shape_limits(row_limits: dict) -> dict[tuple[int, int], int]:
     """A profile's row_limits ({"NxK": {"limit": ...}}) keyed as linear.LIMITS is: (N, K) -> limit."""
     return {tuple(int(d) for d in shape.split("x")): row["limit"] for shape, row in row_limits.items()}

@@ -277,9 +277,15 @@ def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monk
     for nodes, want in ((7, "cuda"), (8, None)):
         assert tree_attention.tree_kernel(mx.zeros((1, 6, nodes, 16), mx.float16), keys, None) == want
     path = profiles.profile_path(model_dir)
-    profile = {"best": {}, "choice": None, "tree_attention": {"limit": 12}}
+    profile = {"best": {}, "choice": None, "tree_attention": {"limit": 12}, "row_limits": {"96x32": {"limit": 8}}}
     profiles.save_profile(profile, path)
-    assert profiles.kernel_limits(model_dir) == ({}, 12)
+    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, 12)
+    from mlx_hybrid.models import linear
+
+    monkeypatch.setattr(linear, "LIMITS", {})
+    profiles.use_kernel_limits(model_dir)  # what chat does before it speculates
+    assert tree_attention.LIMIT == 12 and linear.LIMITS == {(96, 32): 8}
+    profile.pop("row_limits")
     profiles.save_profile(profile | {"tree_attention": {"limit": -1}}, path)
     with pytest.warns(profiles.ProfileWarning, match="tree_attention needs"):
         assert profiles.kernel_limits(model_dir) == ({}, None)
