@@ -231,7 +231,7 @@ def pass_cost_tables(results: list[Result]) -> str:
         step = t["T1_decode"]
         weights = f"{d['bits']}-bit" if d["bits"] else d["dtype"]
         for i, (key, name) in enumerate(p for p in paths if f"T8_{p[0]}" in t):
-            if "tree_attention_limit" not in t:  # measured before the tree kernel's limit was tuned: always the kernel
+            if "tree_attention_limit" not in t:  # a file without the kernel's tuned limit ran it for every tree
                 name = name.replace("as tuned", "row kernel as tuned, tree kernel")
             where = f"{d['shape']}, {weights}, {r.device} ({r.date})" if i == 0 else ""
             lines.append(f"| {where} | {name} | {step:.2f} | " + " | ".join(f"{t[f'T{n}_{key}']:.2f} ({t[f'T{n}_{key}'] / step:.2f}×)" for n in counts) + " |")

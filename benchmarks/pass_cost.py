@@ -12,8 +12,8 @@ A model directory with its medusa/ and/or redrafter/ (the default hybrid, a conv
 a new directory: random weights in --shape's (SmolLM2-135M's by default; benchmarks/run.py's
 SYNTHETIC) with untrained heads (benchmarks/speculative.py's). --dtype casts the target's floats.
 --forwards: only the decode step and the forwards over 8, 17, 34 and 64 tokens, on each path of
-the projections: as tuned (the limits `hybrid tune` would measure, measured first and printed
-as row_limits and tree_attention_limit), all on MLX's matmul, all on the row kernel, and with
+the projections: as tuned (the model's profile's limits, else those `hybrid tune` would measure,
+measured first; printed as row_limits and tree_attention_limit), all on MLX's matmul, all on the row kernel, and with
 MLX's attention over a mask (the pass-cost table, written into --results; a new directory then
 gets no heads). 256 context tokens, each timing the median of 20 synchronous runs
 (milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
@@ -25,7 +25,7 @@ decode step and passes in 5 rounds, each split into the host's building, dispatc
 
     python -m benchmarks.pass_cost benchmarks/results/models/smollm2-135m-speculative [BITS] [--passes | --split]
     python -m benchmarks.pass_cost path/to/model
-    python -m benchmarks.pass_cost /tmp/llama-3-8b 4 --shape llama-3-8b --dtype bfloat16 --forwards
+    python -m benchmarks.pass_cost MODELDIR 4 --shape llama-3-8b --dtype bfloat16 --forwards   # MODELDIR: new, for random weights
 """
 import argparse, sys, time, json, shlex
 from pathlib import Path
@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from benchmarks.run import SYNTHETIC, device_description, slugify
-from benchmarks.speculative import synthetic_target
+from benchmarks.speculative import kernel_limits, synthetic_target
 from mlx_hybrid.loader import DTYPES, load_model
 from mlx_hybrid.decode import generate_step, prefill, generation_stream
 from mlx_hybrid.speculative.proposer import load_proposer
@@ -46,8 +46,6 @@ from mlx_hybrid.speculative import accept
 from mlx_hybrid.tree_mask import TreeMask
 from mlx_hybrid.cache import commit, trim_cache
 from mlx_hybrid.models import linear
-from mlx_hybrid import tune
-from mlx_hybrid.profiles import shape_limits
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.tree_attention import tree_attention
 from mlx_hybrid import tree_attention as tree_attention_module
@@ -148,13 +146,8 @@ with mx.stream(generation_stream):
             commit(cache, []) if tree is not None else [c.trim(tokens.shape[0]) for c in cache]
         return f
     out["T1_decode"] = ms(fwd(mx.array([5]), None))
-    if kernel_backend() == "cuda":
-        # As `hybrid tune` does: per projection shape, the most rows its row kernel should take.
-        limits = tune.row_limits(model)
-        out["row_limits"] = {shape: row["limit"] for shape, row in limits.items()}
-        linear.LIMITS.update(shape_limits(limits))
-    if kernel_backend():  # and the most nodes the tree-attention kernel should take
-        out["tree_attention_limit"] = tree_attention_module.LIMIT = tune.attention_limit(model)["limit"]
+    if kernel_backend():  # the paths `hybrid tune` chose (a profile's, else measured now)
+        out |= kernel_limits(d, model)
     for T in (8, 17, 34, 64):
         toks = mx.array(rng.integers(0, V, T))
         par = [-1] + [(t - 1) // 2 for t in range(1, T)]
