@@ -54,6 +54,13 @@ def continuation(model, prompt: list[int], n: int) -> list[int]:
     return [t for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), argmax, max_tokens=n)]
 
 
+def right_depth(rng: np.random.Generator, profile: np.ndarray) -> int:
+    """How many depths of one draft are right: depth d with probability profile[d - 1] given
+    d - 1 was, one draw a depth."""
+    right = rng.random(len(profile)) < profile
+    return len(profile) if right.all() else int(np.argmin(right))
+
+
 class Oracle:
     """What both shapes share: the reference (the prompt then its greedy continuation), where the
     next pass's root sits in it, and the draw of each pass's true depth.
@@ -77,8 +84,7 @@ class Oracle:
     def _draw(self) -> tuple[np.ndarray, int]:
         """The true tokens (depth,) after the root, -1 past the reference, and how many the pass gets right."""
         truth = self.reference[self.pos + 1 : self.pos + 1 + self.depth]
-        right = self.rng.random(self.depth) < self.profile
-        k = min(int(np.argmin(right)) if not right.all() else self.depth, len(truth), self.reach)
+        k = min(right_depth(self.rng, self.profile), len(truth), self.reach)
         self.pos += k + 1
         return np.array(truth + [-1] * (self.depth - len(truth))), k
 
@@ -155,8 +161,7 @@ class OracleDraft:
         return [self.cache]
 
     def start_round(self):
-        right = self.rng.random(len(self.profile)) < self.profile
-        self.round = [0, int(np.argmin(right)) if not right.all() else len(self.profile)]  # calls made, depths right
+        self.round = [0, right_depth(self.rng, self.profile)]  # calls made, depths right
 
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
         c = cache[0]

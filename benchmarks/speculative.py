@@ -194,13 +194,17 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
 
     references = {}
 
+    def reference(prompt, n):
+        """The prompt and its first n greedy tokens, computed once."""
+        key = (tuple(prompt), n)
+        if key not in references:
+            references[key] = list(prompt) + continuation(ours, prompt, n)
+        return references[key]
+
     def oracle(make, depth):
         """A fresh oracle each run (its draws start over), on the prompt's greedy continuation."""
         def run(prompt, n):
-            key = (tuple(prompt), n + depth)
-            if key not in references:
-                references[key] = list(prompt) + continuation(ours, prompt, n + depth)
-            proposer = make(references[key], len(prompt), profile, ours.args.vocab_size)
+            proposer = make(reference(prompt, n + depth), len(prompt), profile, ours.args.vocab_size)
             return spec(proposer)(prompt, n)
 
         return run
@@ -220,10 +224,7 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
 
     def lm_oracle(prompt, n):
         """mlx-lm's draft-model decoding with a draft at the oracle's acceptance (`OracleDraft`)."""
-        key = (tuple(prompt), n + k)
-        if key not in references:
-            references[key] = list(prompt) + continuation(ours, prompt, n + k)
-        return lm_spec(prompt, n, OracleDraft(references[key], len(prompt), profile[:k], ours.args.vocab_size))
+        return lm_spec(prompt, n, OracleDraft(reference(prompt, n + k), len(prompt), profile[:k], ours.args.vocab_size))
 
     out = {"mlx-hybrid plain": ours_plain} | ({"mlx-lm plain": lm_plain} if lm_target else {})
     variants = {

@@ -143,30 +143,30 @@ def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: i
     {"n", "kernel", "masked", "limit"}. The whole pass, so that what the kernel saves in launches
     and what it costs in reads are weighed as a pass weighs them."""
     counts = [n for n in counts if n > 1]
-    saved, out = tree_attention.LIMIT, {"n": counts, "kernel": [], "masked": []}
+    saved, out = tree_attention.LIMIT, {"n": counts}
     try:
-        for i, n in enumerate(counts):
-            for name, limit in (("kernel", None), ("masked", 0)):
-                tree_attention.LIMIT = limit
-                out[name].append(verification_cost(model, [n], context, reps)["tree"][0])
-            if progress:
-                progress(i + 1, len(counts))
+        for i, (name, limit) in enumerate((("kernel", None), ("masked", 0))):
+            tree_attention.LIMIT = limit
+            step = (lambda d, t, i=i: progress(i * t + d, 2 * t)) if progress else None
+            out[name] = verification_cost(model, counts, context, reps, step, shapes=("tree",))["tree"]
     finally:
         tree_attention.LIMIT = saved
     out["limit"] = linear.row_limit(counts, out["kernel"], out["masked"])
     return out
 
 
-def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None) -> dict:
-    """Seconds per verification pass over n candidates after `context` tokens: {"n", "chain", "tree"}."""
+def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None,
+                      shapes=("chain", "tree")) -> dict:
+    """Seconds per verification pass over n candidates after `context` tokens, as a chain and as
+    a binary tree (those of `shapes`): {"n", "chain", "tree"}."""
     rng = np.random.default_rng(0)
     V = model.args.vocab_size
     cache = model.make_cache()
     prefill(model, mx.array(rng.integers(0, V, context)), cache)
-    out = {"n": list(counts), "chain": [], "tree": []}
+    out = {"n": list(counts)} | {shape: [] for shape in shapes}
     for i, n in enumerate(counts):
         tokens = mx.array(rng.integers(0, V, n))[None]
-        for shape, tree in (("chain", TreeMask.chain(n)), ("tree", binary_tree(n))):
+        for shape, tree in ((shape, TreeMask.chain(n) if shape == "chain" else binary_tree(n)) for shape in shapes):
 
             def run():
                 logits, hidden = model(tokens, cache, mask=tree, return_hidden=True)

@@ -263,9 +263,8 @@ def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monk
     kernel then takes no tree past the limit, and a profile's limit comes back with the rows'."""
     from mlx_hybrid import tree_attention
 
-    def fake_cost(model, counts, context=256, reps=5):
-        n = counts[0]
-        return {"n": [n], "chain": [0.0], "tree": [float(n) if tree_attention.LIMIT is None else 5.0]}
+    def fake_cost(model, counts, context=256, reps=5, progress=None, shapes=("chain", "tree")):
+        return {"n": counts, "tree": [float(n) if tree_attention.LIMIT is None else 5.0 for n in counts]}
 
     monkeypatch.setattr(tune_module, "verification_cost", fake_cost)
     monkeypatch.setattr(tree_attention, "LIMIT", 7)
