@@ -151,11 +151,14 @@ def kernel_limits(target_dir: Path, model) -> dict:
 
 
 def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = (),
-            heads_dtype: str | None = None, profile: tuple[float, ...] | None = None):
+            heads_dtype: str | None = None, profile: tuple[float, ...] | None = None, heads_rows: bool = True):
     """name -> function(prompt, n) -> (tokens, seconds, target passes). ReDrafter runs with each
     beam (the first named plainly), Medusa with its own tree and with each tree size; with
     heads_dtype, each of those again with its heads in that dtype; with profile, an oracle of
-    each tree and beam drafting at that acceptance."""
+    each tree and beam drafting at that acceptance. heads_rows=False: the oracle rows only, the
+    heads on disk giving just their shapes (a peaked target's untrained heads predict its next
+    token by construction: with tied embeddings it repeats its last one, as a head that has not
+    moved off the target's own LM head does)."""
     from mlx_lm.generate import generate_step as lm_generate_step
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.utils import load_model as lm_load_model
@@ -238,7 +241,8 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
             for suffix, setting in settings:
                 for dtype, named in dtypes if method != "draft" else dtypes[:1]:
                     proposer = load_proposer(method, ours, target_dir, num_draft=k, settings=setting, heads_dtype=dtype)
-                    out[f"mlx-hybrid {method}{suffix}{named}"] = spec(proposer)
+                    if heads_rows:
+                        out[f"mlx-hybrid {method}{suffix}{named}"] = spec(proposer)
                 if profile is not None and method == "medusa":
                     out[f"mlx-hybrid oracle medusa{suffix}"] = oracle(partial(OracleTree, proposer.tree), proposer.depth)
                 elif profile is not None and method == "redrafter":
@@ -293,7 +297,8 @@ def main(argv=None) -> int:
     if args.synthetic:
         # With --oracle a peaked target (run.make_synthetic), so that passes decode the oracle's
         # continuation; a draft of its first layers would agree with it always, so mlx-lm's
-        # draft-model row runs an oracle draft instead (OracleDraft).
+        # draft-model row runs an oracle draft instead (OracleDraft), and its untrained heads
+        # give the oracle rows their shapes but no rows of their own.
         peaked = args.oracle
         target_dir = args.work_dir / f"{args.synthetic}{'-peaked' if peaked else ''}-speculative"
         if not (target_dir / "config.json").is_file():
@@ -320,7 +325,7 @@ def main(argv=None) -> int:
         lines = PROMPTS_FILE.read_text().splitlines()
         prompts = [tokenizer.encode(t) for t in lines[len(lines) // 2 :][: args.prompts]]
         prompt_desc = f"each of {len(prompts)} held-out news prompts"
-    run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes, args.heads_dtype, profile)
+    run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes, args.heads_dtype, profile, heads_rows=not (args.synthetic and args.oracle))
     trials = {name: [] for name in run}
     reference = {}
     for name, fn in run.items():  # warm-up; the reference tokens
