@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -209,7 +210,11 @@ def speculative_tables(results: list[Result]) -> str:
                          f"{row['tokens_per_step']:.2f} | {ms:.2f} | {'yes' if row['same'] else 'no'} |")
         prompts = d.get("prompts") or (f"{a.get('prompt_tokens')} random prompt tokens" if a.get("synthetic") not in (None, "None")
                                        else f"each of {a.get('prompts')} held-out {a.get('prompt_set', 'chat')} prompts")
-        oracle = f"; oracle rows at per-depth acceptance {a['profile'].replace(',', ' / ')}" if a.get("oracle") == "True" else ""
+        oracle = ""
+        if a.get("oracle") == "True":
+            at = [float(x) for x in a["profile"].split(",")]
+            expected = 1 + sum(math.prod(at[: d + 1]) for d in range(len(at)))
+            oracle = f"; oracle rows at per-depth acceptance {' / '.join(map(str, at))}, {expected:.2f} tokens a pass expected"
         notes.append(f"- {model}, {r.device}: `{show_command(d['command'])}` ({a.get('gen_tokens')} tokens after {prompts}, "
                      f"median of {a.get('trials')} trials{oracle}" + (f"; [plot](results/{r.png.name})" if r.png else "") + ")")
     return "\n".join(lines + [""] + notes)
@@ -237,7 +242,10 @@ def pass_cost_tables(results: list[Result]) -> str:
             lines.append(f"| {where} | {name} | {step:.2f} | " + " | ".join(f"{t[f'T{n}_{key}']:.2f} ({t[f'T{n}_{key}'] / step:.2f}×)" for n in counts) + " |")
         limits = ", ".join(f"{shape}: {n}" for shape, n in t.get("row_limits", {}).items())
         tree = t.get("tree_attention_limit")
+        pipelined = t.get("decode_pipelined")
         notes.append(f"- {d['shape']}, {weights}: `{show_command(d['command'])}`"
+                     + (f"; a decode step as generation runs it, the next queued before the host reads this one: {pipelined:.2f} ms"
+                        if pipelined else "")
                      + (f"; the most rows the row kernel takes, per weight shape: {limits}" if limits else "")
                      + (f"; the most nodes the tree-attention kernel takes: {tree}" if tree is not None else ""))
     return "\n".join(lines + [""] + notes)

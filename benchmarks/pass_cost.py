@@ -16,7 +16,8 @@ the projections: as tuned (the model's profile's limits, else those `hybrid tune
 measured first; printed as row_limits and tree_attention_limit), all on MLX's matmul, all on the row kernel, and with
 MLX's attention over a mask (the pass-cost table, written into --results; a new directory then
 gets no heads). 256 context tokens, each timing the median of 20 synchronous runs
-(milliseconds; the host waits for each) unless it says pipelined. BITS (4 or 8) quantizes the
+(milliseconds; the host waits for each; with --forwards the median of 3 rounds' over the whole
+sweep) unless it says pipelined. BITS (4 or 8) quantizes the
 target as `hybrid convert` does by default. Prints JSON. --passes: only the pipelined decode
 step and passes, for each variant of the pass (the row kernel for the projections or MLX's
 matmuls, the placed-tree pass compiled or eager), the variants interleaved in 3 rounds. --split: only the pipelined
@@ -57,13 +58,14 @@ only = parser.add_mutually_exclusive_group()
 only.add_argument("--passes", action="store_true", help="only the pipelined step and passes, each variant of the pass")
 only.add_argument("--split", action="store_true", help="only the pipelined step and passes, split into build, dispatch, wait")
 only.add_argument("--forwards", action="store_true", help="only the decode step and the forwards over T tokens, each projection path")
-parser.add_argument("--shape", choices=SYNTHETIC, default="smollm2-135m", help="the shape of a new random-weight target")
+parser.add_argument("--shape", choices=SYNTHETIC, help="the shape of a new random-weight target (default smollm2-135m), "
+                    "and the result's name for one made before (a quantized run of it)")
 parser.add_argument("--dtype", choices=DTYPES, help="the target's float dtype (default: the runtime's)")
 parser.add_argument("--results", type=Path, help="--forwards: also write the pass-cost table's result file into this directory")
 args = parser.parse_args()
 passes_only, split_only = args.passes, args.split
 synthetic = not (args.model / "config.json").is_file()
-d = synthetic_target(args.model, args.shape, heads=not args.forwards)  # made only where there is no model yet
+d = synthetic_target(args.model, args.shape or "smollm2-135m", heads=not args.forwards)  # made only where there is no model yet
 model = load_model(d, args.dtype)
 methods = [m for m in ("medusa", "redrafter") if (d / m).is_dir()]
 if args.bits:  # a quantized target, as `hybrid convert` writes by default
@@ -145,32 +147,39 @@ with mx.stream(generation_stream):
             mx.eval(lg)
             commit(cache, []) if tree is not None else [c.trim(tokens.shape[0]) for c in cache]
         return f
-    out["T1_decode"] = ms(fwd(mx.array([5]), None))
-    if kernel_backend():  # the paths `hybrid tune` chose (a profile's, else measured now)
-        out |= kernel_limits(d, model)
-    for T in (8, 17, 34, 64):
-        toks = mx.array(rng.integers(0, V, T))
-        par = [-1] + [(t - 1) // 2 for t in range(1, T)]
-        for shape, tree in (("chain", TreeMask.chain(T)), ("tree", TreeMask.from_parents(par))):
-            if kernel_backend():
-                out[f"T{T}_{shape}_kernel"] = ms(fwd(toks, tree))  # each projection on the path tuned for it
-                # every projection on MLX's matmul, then every one on the row kernel
-                tuned, tuned_tree = dict(linear.LIMITS), tree_attention_module.LIMIT
-                tree_attention_module.LIMIT = None
-                for suffix, rows in (("_matmul", 0), ("_rows", linear.ROWS)):
-                    rows, linear.ROWS = linear.ROWS, rows
-                    linear.LIMITS.clear()
-                    out[f"T{T}_{shape}_kernel{suffix}"] = ms(fwd(toks, tree))
-                    linear.ROWS = rows
-                linear.LIMITS.update(tuned)
-                tree_attention_module.LIMIT = tuned_tree
-            kernel, attention.tree_kernel = attention.tree_kernel, lambda *args: None
-            out[f"T{T}_{shape}_masked"] = ms(fwd(toks, tree))
-            attention.tree_kernel = kernel
+    # --forwards: every cell in 3 rounds, the median of its rounds' medians, so that a drift of
+    # the device's or host's speed during the sweep lands on no one cell alone.
+    cells = {}
+    def cell(key, fn):
+        cells.setdefault(key, []).append(ms(fn))
+    for r in range(3 if args.forwards else 1):
+        cell("T1_decode", fwd(mx.array([5]), None))
+        if r == 0 and kernel_backend():  # the paths `hybrid tune` chose (a profile's, else measured now)
+            out |= kernel_limits(d, model)
+        for T in (8, 17, 34, 64):
+            toks = mx.array(np.random.default_rng(T).integers(0, V, T))
+            par = [-1] + [(t - 1) // 2 for t in range(1, T)]
+            for shape, tree in (("chain", TreeMask.chain(T)), ("tree", TreeMask.from_parents(par))):
+                if kernel_backend():
+                    cell(f"T{T}_{shape}_kernel", fwd(toks, tree))  # each projection on the path tuned for it
+                    # every projection on MLX's matmul, then every one on the row kernel
+                    tuned, tuned_tree = dict(linear.LIMITS), tree_attention_module.LIMIT
+                    tree_attention_module.LIMIT = None
+                    for suffix, rows in (("_matmul", 0), ("_rows", linear.ROWS)):
+                        rows, linear.ROWS = linear.ROWS, rows
+                        linear.LIMITS.clear()
+                        cell(f"T{T}_{shape}_kernel{suffix}", fwd(toks, tree))
+                        linear.ROWS = rows
+                    linear.LIMITS.update(tuned)
+                    tree_attention_module.LIMIT = tuned_tree
+                kernel, attention.tree_kernel = attention.tree_kernel, lambda *args: None
+                cell(f"T{T}_{shape}_masked", fwd(toks, tree))
+                attention.tree_kernel = kernel
+    out |= {key: median(v) for key, v in cells.items()}
     if args.forwards:
         if args.results:  # the pass-cost table's row (benchmarks/index.py)
             device = device_description()
-            shape = args.shape if synthetic else args.model.name
+            shape = args.shape or (args.model.name if not synthetic else "smollm2-135m")
             name = f"pass-cost-forwards-{shape}-{target_dtype(model)}{f'-{args.bits}bit' if args.bits else ''}"
             result = dict(label=device["default_label"], device=device, shape=shape, dtype=target_dtype(model), bits=args.bits, command="python -m benchmarks.pass_cost " + shlex.join(sys.argv[1:]), times=out,
                           timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
