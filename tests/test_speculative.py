@@ -452,6 +452,63 @@ def test_medusa_layout_matches_pytorch_reference(target, tmp_path, exact_float32
         np.testing.assert_allclose(np.array(heads(mx.array(h[0]))), want[:, 0], atol=1e-5)
 
 
+def _tied_medusa_pair(model, tmp_path, K=3, L=2):
+    """The same random heads saved twice: with tied_lm_head (ResBlocks only) and in the plain
+    layout with a copy of the target's LM head as each head's own (the reference)."""
+    from safetensors.numpy import save_file
+
+    H, V = model.args.hidden_size, model.args.vocab_size
+    rng = np.random.default_rng(7)
+    blocks = {f"medusa_head.{i}.{j}.linear.{p}": rng.normal(0, 0.1, (H, H) if p == "weight" else H).astype(np.float32)
+              for i in range(K) for j in range(L) for p in ("weight", "bias")}
+    lm = np.array(lm_head_weight(model))
+    config = dict(model_type="medusa", medusa_num_heads=K, medusa_num_layers=L, hidden_size=H, vocab_size=V)
+    for name, tensors, extra in [("tied", blocks, dict(tied_lm_head=True)),
+                                 ("copies", blocks | {f"medusa_head.{i}.{L}.weight": lm for i in range(K)}, {})]:
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps(config | extra))
+    return tmp_path / "tied", tmp_path / "copies"
+
+
+def test_tied_medusa_heads_end_with_the_target_lm_head(target, references, tmp_path, exact_float32):
+    """Heads with tied_lm_head give what the same ResBlocks followed by a copy of the target's LM
+    head each give, stacked (as loaded) and not, for several rows and one; their greedy
+    speculation decodes plain greedy decoding's tokens."""
+    _, model, _ = target
+    tied_dir, copies_dir = _tied_medusa_pair(model, tmp_path)
+    tied, copies = load_medusa(tied_dir, model, "float32"), load_medusa(copies_dir, model, "float32")
+    assert tied._stacks and not any(k.endswith(".2.weight") for k, _ in tree_flatten(tied.parameters()))
+    unstacked = MedusaHeads(tied.config, model._logits)
+    unstacked.update(tied.parameters())
+    H = model.args.hidden_size
+    for h in (mx.random.normal((5, H), key=mx.random.key(1)), mx.random.normal((H,), key=mx.random.key(2))):
+        want = np.array(copies(h))
+        np.testing.assert_allclose(np.array(tied(h)), want, atol=1e-5)
+        np.testing.assert_allclose(np.array(unstacked(h)), want, atol=1e-5)
+    proposer = load_proposer("medusa", model, path=tied_dir)
+    for prompt, ref in references[:3]:
+        assert run_steps(model, proposer, prompt, N_TOKENS)[0] == ref
+
+
+def test_tied_medusa_heads_refuse_what_does_not_fit(target, tmp_path):
+    _, model, _ = target
+    tied_dir, copies_dir = _tied_medusa_pair(model, tmp_path)
+    config = json.loads((copies_dir / "config.json").read_text())  # no tied_lm_head
+    (tied_dir / "config.json").write_text(json.dumps(config | dict(tied_lm_head="yes")))
+    with pytest.raises(HybridError, match="'tied_lm_head' must be true or false, got 'yes'"):
+        load_medusa(tied_dir, model)
+    (copies_dir / "config.json").write_text(json.dumps(config | dict(tied_lm_head=True)))  # its files hold LM heads too
+    with pytest.raises(HybridError, match="medusa_num_layers"):
+        load_medusa(copies_dir, model)
+    (tied_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HybridError, match="medusa_num_layers"):  # without the flag its files lack the LM heads
+        load_medusa(tied_dir, model)
+    (tied_dir / "config.json").write_text(json.dumps(config | dict(tied_lm_head=True)))
+    with pytest.raises(HybridError, match="give the target"):
+        MedusaProposer(load_medusa(tied_dir, model))
+
+
 @pytest.mark.parametrize("exit_dim", [None, 48])
 def test_redrafter_layout_matches_pytorch_reference(target, tmp_path, exit_dim, exact_float32):
     import torch

@@ -58,6 +58,12 @@ def target_dtype(target: nn.Module) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
+def target_head_state(target: nn.Module) -> dict:
+    """The arrays the target's LM head reads (its own, or the embedding it is tied to): inputs of
+    a compiled draft that ends with it."""
+    return target.lm_head.state if "lm_head" in target else target.model.embed_tokens.state
+
+
 def check_target(path: Path, config: dict, target: nn.Module):
     """The heads must read the target's hidden states and predict over its vocabulary."""
     for key in ("hidden_size", "vocab_size"):

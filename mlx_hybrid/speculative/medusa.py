@@ -4,6 +4,11 @@ token k + 2 places ahead; their top-k guesses form a candidate tree verified in 
 Layout and tensor names: docs/formats/speculative-heads.md. The tree is the heads directory's `medusa_choices` (written
 by `calibrate`, the greedy construction of section 3.3.1 from head accuracies measured here) or
 else a small Cartesian tree.
+
+Heads with `tied_lm_head` end in the target's own LM head instead of one each: a draft then
+reads one vocabulary projection for all the heads (their rows in one product) instead of K. With
+Llama 3's 128256-token vocabulary K = 4 projections of their own are 0.85 of a Llama-3.2-1B
+decode step's read and 0.28 of a Llama-3-8B one's (docs/speculative.md, Performance model).
 """
 
 import json
@@ -22,7 +27,7 @@ from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft
 from mlx_hybrid.speculative.calibration import GreedyRun, greedy_runs
-from mlx_hybrid.speculative.load import check_blocks, check_target, load_into, read_config
+from mlx_hybrid.speculative.load import check_blocks, check_target, load_into, read_config, target_head_state
 from mlx_hybrid.speculative.topk import beam_step
 from mlx_hybrid.speculative.tree import MedusaTree, cartesian_paths, expected_length, greedy_paths
 
@@ -38,10 +43,11 @@ class MedusaConfig:
     vocab_size: int
     medusa_choices: list | None = None
     head_accuracies: list | None = None  # written by `calibrate`
+    tied_lm_head: bool = False  # the target's LM head after the ResBlocks, none of each head's own
 
     @classmethod
     def from_dict(cls, config: dict) -> "MedusaConfig":
-        return cls(**{k: config.get(k) for k in cls.__dataclass_fields__})
+        return cls(**{k: config[k] for k in cls.__dataclass_fields__ if k in config})
 
 
 class ResBlock(nn.Module):
@@ -54,13 +60,16 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, config: MedusaConfig):
+    def __init__(self, config: MedusaConfig, target_head=None):
+        """target_head: the target's hidden-to-logits function, which `tied_lm_head` heads end
+        with (a plain attribute, not a parameter: the weights stay the target's)."""
         super().__init__()
         self.config = config
         H, V, L = config.hidden_size, config.vocab_size, config.medusa_num_layers
-        self.medusa_head = [
-            [ResBlock(H) for _ in range(L)] + [nn.Linear(H, V, bias=False)] for _ in range(config.medusa_num_heads)
-        ]
+        own_head = 0 if config.tied_lm_head else 1
+        self.medusa_head = [[ResBlock(H) for _ in range(L)] + [nn.Linear(H, V, bias=False) for _ in range(own_head)]
+                            for _ in range(config.medusa_num_heads)]
+        self.target_head = target_head
         self._stacks = {}  # the heads' weights stacked layer by layer (`fuse`)
 
     def __call__(self, h: mx.array) -> mx.array:
@@ -72,11 +81,16 @@ class MedusaHeads(nn.Module):
                 for layer in head:
                     x = layer(x)
                 out.append(x)
-            return mx.stack(out)
-        x = h.reshape(1, -1, h.shape[-1])
-        for w, b in self._stacks["blocks"]:
-            x = x + nn.silu(_per_head(x, w) + b[:, None])
-        return _per_head(x, self._stacks["lm"]).reshape(len(self.medusa_head), *h.shape[:-1], -1)
+            x = mx.stack(out)
+        else:
+            x = h.reshape(1, -1, h.shape[-1])
+            for w, b in self._stacks["blocks"]:
+                x = x + nn.silu(_per_head(x, w) + b[:, None])
+            if not self.config.tied_lm_head:
+                x = _per_head(x, self._stacks["lm"])
+        if self.config.tied_lm_head:  # every head's rows through the one projection: one read of it
+            x = self.target_head(x.reshape(-1, x.shape[-1]))
+        return x.reshape(len(self.medusa_head), *h.shape[:-1], -1)
 
     def fuse(self):
         """Stack the heads' weights layer by layer, so that each layer of all the heads is one
@@ -86,14 +100,15 @@ class MedusaHeads(nn.Module):
         stay apart (one quantized product a head)."""
         if any(isinstance(m, nn.QuantizedLinear) for _, m in self.named_modules()):
             return
-        L = self.config.medusa_num_layers
+        L, tied = self.config.medusa_num_layers, self.config.tied_lm_head
         blocks = [(mx.stack([h[j].linear.weight for h in self.medusa_head]), mx.stack([h[j].linear.bias for h in self.medusa_head]))
                   for j in range(L)]
-        lm = mx.stack([h[L].weight for h in self.medusa_head])
+        lm = None if tied else mx.stack([h[L].weight for h in self.medusa_head])
         for i, head in enumerate(self.medusa_head):
             for j, (w, b) in enumerate(blocks):
                 head[j].linear.weight, head[j].linear.bias = w[i], b[i]
-            head[L].weight = lm[i]
+            if not tied:
+                head[L].weight = lm[i]
         mx.eval(blocks, lm, self.parameters())
         self._stacks = {"blocks": blocks, "lm": lm}
 
@@ -132,9 +147,15 @@ def load_medusa(path: str | Path, target: nn.Module, dtype: str | None = None) -
     path = Path(path)
     config = read_config(path, "medusa", ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"))
     check_target(path, config, target)
+    tied = config.get("tied_lm_head", False)
+    if not isinstance(tied, bool):
+        raise HybridError(f"{path / 'config.json'}: 'tied_lm_head' must be true or false, got {tied!r}")
     check_blocks(path, config["medusa_num_heads"], "medusa_head.", "medusa_num_heads")
-    check_blocks(path, config["medusa_num_layers"] + 1, "medusa_head.0.", "medusa_num_layers + 1 (ResBlocks and the LM head)")
-    heads = MedusaHeads(MedusaConfig.from_dict(config))
+    if tied:
+        check_blocks(path, config["medusa_num_layers"], "medusa_head.0.", "medusa_num_layers (ResBlocks; the LM head is the target's)")
+    else:
+        check_blocks(path, config["medusa_num_layers"] + 1, "medusa_head.0.", "medusa_num_layers + 1 (ResBlocks and the LM head)")
+    heads = MedusaHeads(MedusaConfig.from_dict(config), target._logits if tied else None)
     if heads.config.medusa_choices:
         check_choices(heads.config.medusa_choices, heads.config.medusa_num_heads, target, f"{path / 'config.json'}")
     load_into(heads, path, config, target, dtype)
@@ -157,7 +178,10 @@ class MedusaProposer:
     name = "medusa"
     drafts_on_device = True
 
-    def __init__(self, heads: MedusaHeads, tree: MedusaTree | None = None):
+    def __init__(self, heads: MedusaHeads, tree: MedusaTree | None = None, target: nn.Module | None = None):
+        """target: the model the heads draft for, whose LM head `tied_lm_head` heads end with."""
+        if heads.config.tied_lm_head and target is None:
+            raise HybridError("Medusa heads with tied_lm_head draft through the target's LM head: give the target")
         self.heads = heads
         self.tree = tree or heads.default_tree()
         self.depth = self.tree.num_heads
@@ -165,8 +189,10 @@ class MedusaProposer:
         self._rows = mx.array(self.tree.retrieve)
         self._no_scores = mx.zeros((self.depth, 1))
         mx.eval(self._no_scores)  # else the trace below would fill it again every pass
-        # One shape per tree: compiled once, replayed each pass (see `ReDrafterProposer`).
-        self._tokens = mx.compile(self._tree_tokens, inputs=heads.state)
+        # One shape per tree: compiled once, replayed each pass (see `ReDrafterProposer`); the
+        # weights are inputs, the target's LM head's too where the heads end with it.
+        head = [target_head_state(target)] if heads.config.tied_lm_head else []
+        self._tokens = mx.compile(self._tree_tokens, inputs=[heads.state] + head)
 
     def draft(self, root: mx.array, hidden: mx.array) -> Draft:
         """The tree's tokens from root (1,) and the heads' top-k at hidden (H,), on the device."""

@@ -65,7 +65,7 @@ def load_proposer(
             tree = MedusaTree(settings.medusa_choices)
         elif settings is not None and settings.tree_size:
             tree = heads.tree_of_size(settings.tree_size)
-        return MedusaProposer(heads, tree)
+        return MedusaProposer(heads, tree, target)
     if method == "redrafter":
         from mlx_hybrid.speculative.redrafter import ReDrafterProposer, load_redrafter
 

@@ -47,6 +47,7 @@ class MedusaConfig(TrainConfig):
     decay: float = 0.8  # lambda_k = decay^k
     distill: bool = False  # KL to the base's distribution ahead (soft labels) instead of CE on its token
     lr: float = 1e-3
+    tied_lm_head: bool = False  # Medusa-1: the heads end with the frozen base's LM head, none of their own (heads.MedusaHeads)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def medusa(cfg: MedusaConfig, resume: bool = False):
     base = load_base(cfg.base, _dtype(env), env.device)
     examples = examples_from(cfg.data, cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers)
+    heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers, cfg.tied_lm_head)
 
     def loss_fn(model, batch):
         masks = _ahead_masks(batch["labels"], cfg.num_heads)
@@ -162,6 +163,8 @@ def medusa(cfg: MedusaConfig, resume: bool = False):
 def medusa2(cfg: Medusa2Config, resume: bool = False):
     """Medusa-2: heads and backbone together, against a frozen copy of the original."""
     _check(cfg)
+    if cfg.tied_lm_head:
+        raise TrainError("tied_lm_head is for Medusa-1 (stage medusa): Medusa-2 trains the LM head the heads would end with")
     env = Dist()
     original = load_base(cfg.base, _dtype(env), env.device)
     examples = examples_from(cfg.data, cfg.seq_len)

@@ -72,32 +72,42 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1):
+    """K heads of ResBlocks, each ending in an LM head of its own (Medusa's layout) or, with
+    tied_lm_head, in the base's own (frozen in Medusa-1) LM head: the heads are then K x L
+    ResBlocks and a draft reads one vocabulary projection for all of them instead of K, which at
+    Llama 3's 128256 tokens is most of what the heads cost (docs/speculative.md)."""
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1, tied_lm_head: bool = False):
         super().__init__()
-        self.num_heads, self.num_layers = num_heads, num_layers
+        self.hidden, self.vocab, self.num_heads, self.num_layers, self.tied_lm_head = hidden, vocab, num_heads, num_layers, tied_lm_head
         self.medusa_head = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False))
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], *([] if tied_lm_head else [nn.Linear(hidden, vocab, bias=False)]))
             for _ in range(num_heads)
         )
+        self.__dict__["base_head"] = None  # the base's LM head when tied: not a parameter of the heads
 
     @classmethod
-    def for_base(cls, base, num_heads: int, num_layers: int = 1) -> "MedusaHeads":
-        """Heads whose LM heads start as copies of the base's (Medusa's reference initialization)."""
-        heads = cls(base.config.hidden_size, base.config.vocab_size, num_heads, num_layers)
+    def for_base(cls, base, num_heads: int, num_layers: int = 1, tied_lm_head: bool = False) -> "MedusaHeads":
+        """Heads whose LM heads start as copies of the base's (Medusa's reference initialization),
+        or that end with the base's own."""
+        heads = cls(base.config.hidden_size, base.config.vocab_size, num_heads, num_layers, tied_lm_head)
         with torch.no_grad():
-            for head in heads.medusa_head:
-                head[-1].weight.copy_(base.lm_head.weight)
+            if tied_lm_head:
+                heads.__dict__["base_head"] = base.lm_head
+            else:
+                for head in heads.medusa_head:
+                    head[-1].weight.copy_(base.lm_head.weight)
         return heads
 
     def forward(self, h: torch.Tensor, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Logits of head k at the positions masks[k-1] selects (from `ahead_mask(labels, k)`): (n_k, vocab)."""
         L = h.shape[1]
-        return [head(h[:, : L - k][mask]) for k, (head, mask) in enumerate(zip(self.medusa_head, masks), 1)]
+        out = [head(h[:, : L - k][mask]) for k, (head, mask) in enumerate(zip(self.medusa_head, masks), 1)]
+        return [self.base_head(x) for x in out] if self.tied_lm_head else out
 
     def config(self) -> dict:
-        head = self.medusa_head[0][-1]
         return {"model_type": "medusa", "medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
-                "hidden_size": head.in_features, "vocab_size": head.out_features}
+                "hidden_size": self.hidden, "vocab_size": self.vocab, **({"tied_lm_head": True} if self.tied_lm_head else {})}
 
 
 class MedusaLM(nn.Module):

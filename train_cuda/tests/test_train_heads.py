@@ -102,12 +102,13 @@ def test_kd_loss_by_hand():
 @pytest.mark.parametrize("stage,extra,key", [
     ("medusa", dict(num_heads=3), "head1"),
     ("medusa", dict(num_heads=3, distill=True), "kl1"),
+    ("medusa", dict(num_heads=3, tied_lm_head=True, lr=3e-2), "head1"),  # ResBlocks alone: a larger step
     ("medusa2", dict(num_heads=2, heads_warmup=2, backbone_lr=1e-3), "head1"),
     ("redrafter", dict(draft_steps=3), "kl1"),
 ])
 def test_stage_lowers_its_loss_and_reports_accuracy(tmp_path, teacher_dir, greedy, stage, extra, key):
     cfg = write_config(tmp_path / "c.json", base=str(teacher_dir), data=str(greedy), eval_data=str(greedy),
-                       out=str(tmp_path / "o"), steps=8, **FAST, **extra)
+                       out=str(tmp_path / "o"), steps=8, **(FAST | extra))
     assert run(stage, cfg) == 0
     loss = losses(tmp_path / "o")
     assert len(loss) == 8 and loss[-1] < 0.8 * loss[0]
@@ -150,6 +151,13 @@ def test_draft_accuracy_by_hand():
 
     got = draft_accuracy(Fixed(), [example([9], response, 64)], "cpu", num_draft=2)
     assert got["top1"] == pytest.approx(5 / 6) and got["accepted"] == pytest.approx(8 / 6) and got["positions"] == 6
+
+
+def test_medusa2_refuses_tied_heads(tmp_path, teacher_dir, greedy, capsys):
+    cfg = write_config(tmp_path / "c.json", base=str(teacher_dir), data=str(greedy), out=str(tmp_path / "o"), steps=2,
+                       tied_lm_head=True, **FAST)
+    assert run("medusa2", cfg) == 1
+    assert "tied_lm_head is for Medusa-1" in capsys.readouterr().err
 
 
 def test_medusa2_starts_from_medusa1_heads(tmp_path, teacher_dir, greedy):
@@ -206,19 +214,24 @@ def _mlx_target(teacher_dir):
     return load_model(teacher_dir, dtype="float32")
 
 
-def test_medusa_export_in_the_mlx_runtime(tmp_path, teacher_dir, greedy):
+@pytest.mark.parametrize("tied", [False, True])
+def test_medusa_export_in_the_mlx_runtime(tmp_path, teacher_dir, greedy, tied):
+    """tied: the heads end with the base's LM head, which they neither train nor save."""
     from mlx_hybrid.decode import generate_step
     from mlx_hybrid.speculative.calibration import greedy_runs
     from mlx_hybrid.speculative.medusa import head_accuracies, load_medusa
 
     base = load_teacher(teacher_dir)
-    heads = perturb(MedusaHeads.for_base(base, num_heads=3, num_layers=2))
+    heads = perturb(MedusaHeads.for_base(base, num_heads=3, num_layers=2, tied_lm_head=tied))
     save_heads(heads, heads.config(), tmp_path / "medusa")
+    saved = load_file(tmp_path / "medusa" / "model.safetensors")
+    assert ("medusa_head.0.2.weight" in saved) == (not tied)
+    assert json.loads((tmp_path / "medusa" / "config.json").read_text()).get("tied_lm_head", False) == tied
     target = _mlx_target(teacher_dir)
     loaded = load_medusa(tmp_path / "medusa", target, dtype="float32")
     h = torch.randn(1, 20, base.config.hidden_size)
     with torch.no_grad():
-        expected = np.stack([head(h[0]).numpy() for head in heads.medusa_head])
+        expected = np.stack([(base.lm_head(head(h[0])) if tied else head(h[0])).numpy() for head in heads.medusa_head])
     np.testing.assert_allclose(np.array(loaded(mx.array(h[0].numpy()))), expected, atol=ATOL, rtol=0)
 
     # The positions: the runtime's head accuracies (head k against the token k+1 after the hidden
