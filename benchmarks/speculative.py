@@ -14,9 +14,10 @@ decoding.
 --model DIR takes a target with its `medusa/`, `redrafter/` and `draft/` subdirectories
 (docs/formats/speculative-heads.md; the trained ones come from train_cuda/). --synthetic NAME
 builds a random-weight target in a real shape, Medusa heads initialized as Medusa does before
-training (ResBlocks zero, LM heads copies of the target's), a random drafter, and a draft made of
-the target's first --draft-layers layers: acceptance is then low and the numbers show overhead,
-not the speedup trained heads give. --medusa-sizes 16,24 adds a Medusa row per tree size and
+training (ResBlocks zero, LM heads copies of the target's) and the same heads ending with the
+target's own LM head (`medusa-tied/`, a row "medusa tied": one vocabulary projection a draft), a
+random drafter, and a draft made of the target's first --draft-layers layers: acceptance is then
+low and the numbers show overhead, not the speedup trained heads give. --medusa-sizes 16,24 adds a Medusa row per tree size and
 --beam 4x5,2x5 a ReDrafter row per beam, side by side with the rest. --oracle adds, for each Medusa
 tree and ReDrafter beam, a row whose drafts are the target's own greedy continuation corrupted to
 the per-depth acceptance --profile (benchmarks/oracle.py): the speedup those heads would give at
@@ -65,9 +66,9 @@ CHAT_PROMPTS = BENCH_DIR / "chat_prompts.txt"
 
 
 def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
-    """Medusa heads (Medusa's initialization), a random drafter and (draft_layers > 0) a draft of
-    the target's first layers, in the docs/formats/speculative-heads.md layout, beside a
-    synthetic target."""
+    """Medusa heads (Medusa's initialization), the same heads with `tied_lm_head`, a random
+    drafter and (draft_layers > 0) a draft of the target's first layers, in the
+    docs/formats/speculative-heads.md layout, beside a synthetic target."""
     from safetensors.numpy import save_file
 
     import numpy as np
@@ -89,8 +90,10 @@ def write_heads(target_dir: Path, model, seed: int, draft_layers: int):
         "rnn_u.bias": np.zeros(H, np.float32),
         "rnn_w.weight": rng.normal(0, 0.02, (H, H)).astype(np.float16),
     }
+    tied = {k: v for k, v in medusa.items() if not k.endswith(".1.weight")}
     for name, tensors, config in [
         ("medusa", medusa, dict(model_type="medusa", medusa_num_heads=heads, medusa_num_layers=1)),
+        ("medusa-tied", tied, dict(model_type="medusa", medusa_num_heads=heads, medusa_num_layers=1, tied_lm_head=True)),
         ("redrafter", drafter, dict(model_type="recurrent_drafting_drafter", exit_dim=2 * H, num_draft_layers=1, rnn=True)),
     ]:
         (target_dir / name).mkdir(exist_ok=True)
@@ -247,6 +250,8 @@ def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa
                     out[f"mlx-hybrid oracle medusa{suffix}"] = oracle(partial(OracleTree, proposer.tree), proposer.depth)
                 elif profile is not None and method == "redrafter":
                     out[f"mlx-hybrid oracle redrafter{suffix}"] = oracle(partial(OracleBeams, proposer.width, proposer.length), proposer.depth)
+    if heads_rows and (target_dir / "medusa-tied").is_dir():
+        out["mlx-hybrid medusa tied"] = spec(load_proposer("medusa", ours, path=target_dir / "medusa-tied", num_draft=k))
     if lm_draft is not None:
         out["mlx-lm draft"] = lm_spec
     if profile is not None and lm_target is not None:

@@ -186,6 +186,19 @@ def test_speculative_benchmark_oracle_end_to_end(tmp_path, tiny_shape):
         assert rows[name]["tokens_per_step"] > 2, name  # 1 + .9 + .72 + .5 + .3 expected
 
 
+def test_speculative_benchmark_synthetic_rows(tmp_path, tiny_shape):
+    """`benchmarks.speculative --synthetic` without the oracle: a row for each untrained method,
+    tied Medusa heads among them, every row's tokens plain greedy decoding's."""
+    from benchmarks import speculative
+
+    out = tmp_path / "results"
+    assert speculative.main(["--synthetic", tiny_shape, "--gen-tokens", "8", "--prompt-tokens", "8", "--trials", "1",
+                             "--draft-layers", "1", "--work-dir", str(tmp_path), "--results", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(next(out.glob("*.json")).read_text())["rows"]}
+    assert {"mlx-hybrid medusa", "mlx-hybrid medusa tied", "mlx-hybrid redrafter", "mlx-hybrid draft", "mlx-lm draft"} <= set(rows)
+    assert all(r["same"] for r in rows.values()), rows
+
+
 def test_peaked_target_has_no_near_tie(tmp_path, tiny_shape, monkeypatch):
     """The oracle's target: in float16 and bfloat16 every position's best logit is far above the
     second (more than a third of the best), untied its next token is pi(current), tied the
