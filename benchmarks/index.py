@@ -213,7 +213,7 @@ def speculative_tables(results: list[Result]) -> str:
         oracle = ""
         if a.get("oracle") == "True":
             at = [float(x) for x in a["profile"].split(",")]
-            expected = 1 + sum(math.prod(at[: d + 1]) for d in range(len(at)))
+            expected = 1 + sum(math.prod(at[: depth]) for depth in range(1, len(at) + 1))  # 1 + sum of P(depths 1..d right)
             oracle = f"; oracle rows at per-depth acceptance {' / '.join(map(str, at))}, {expected:.2f} tokens a pass expected"
         notes.append(f"- {model}, {r.device}: `{show_command(d['command'])}` ({a.get('gen_tokens')} tokens after {prompts}, "
                      f"median of {a.get('trials')} trials{oracle}" + (f"; [plot](results/{r.png.name})" if r.png else "") + ")")

@@ -66,8 +66,7 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.config = config
         H, V, L = config.hidden_size, config.vocab_size, config.medusa_num_layers
-        own_head = 0 if config.tied_lm_head else 1
-        self.medusa_head = [[ResBlock(H) for _ in range(L)] + [nn.Linear(H, V, bias=False) for _ in range(own_head)]
+        self.medusa_head = [[ResBlock(H) for _ in range(L)] + ([] if config.tied_lm_head else [nn.Linear(H, V, bias=False)])
                             for _ in range(config.medusa_num_heads)]
         self.target_head = target_head
         self._stacks = {}  # the heads' weights stacked layer by layer (`fuse`)

@@ -25,7 +25,7 @@ from mlx_hybrid.limits import check_beam
 from mlx_hybrid.models.linear import Linear
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.speculative.accept import Candidates, Draft, target_logprobs
-from mlx_hybrid.speculative.load import check_blocks, check_target, load_into, read_config, target_head_state
+from mlx_hybrid.speculative.load import check_blocks, check_target, load_into, read_config
 from mlx_hybrid.speculative.medusa import ResBlock
 from mlx_hybrid.speculative.topk import beam_step
 from mlx_hybrid.speculative.tree import pack_beams
@@ -168,7 +168,7 @@ class ReDrafterProposer:
         # Search and packing have one shape per beam size, so they compile once: each pass then
         # replays the graph without Python and with its elementwise ops fused, which counts on a
         # GPU, where a draft is ~100 small kernels. The weights are inputs, not constants.
-        head = [target_head_state(target)] if drafter.config.tied_lm_head and "lm_head" in target else []  # else: embed's
+        head = [target.lm_head.state] if drafter.config.tied_lm_head and "lm_head" in target else []
         self._search = mx.compile(self._search_and_pack, inputs=[drafter.state, self.embed.state] + head)
 
     def draft(self, root: mx.array, hidden: mx.array) -> Draft:
