@@ -1,8 +1,8 @@
 """Scaled dot-product attention with RoPE, over the cache: causal for new tokens, or over the
 nodes of a candidate tree (`mlx_hybrid.tree_mask.TreeMask`, a verification pass).
 
-The tree's keys and values stay apart from the cache's buffer during the pass (`KVCache.hold`):
-each node sees the cached rows before the tree, itself and its ancestors. Which implementation
+The tree's keys and values are held for `commit` (`KVCache.hold`): each node sees the cached
+rows before the tree, itself and its ancestors. Which implementation
 runs is decided here, not by the model: on a GPU the tree-attention kernel
 (`mlx_hybrid.tree_attention`), which walks each node's parents and turns queries and keys by
 RoPE itself, else MLX's attention with the tree's mask spelled out.
@@ -54,7 +54,7 @@ def _tree_attention(layer, qkv: mx.array, tree: TreeMask, cache: KVCache) -> mx.
         turned = apply_rope_at(qk.transpose(2, 1, 0, 3), layer._freqs, positions).transpose(2, 1, 0, 3)
         q, k = mx.split(turned, [H], axis=1)
         mask = cache.tree_mask(tree, row, depths)
-        keys, values = mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2)
+        keys, values = cache.write_tree(tree, row, k, v)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=layer.scale, mask=mask).transpose(0, 2, 1, 3)
     cache.hold(row, k, v)
     return out.reshape(T, -1)

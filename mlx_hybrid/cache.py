@@ -13,9 +13,11 @@ A recurrent layer's state cannot be rolled back token by token; instead `snapsho
 reference to the current state (MLX arrays are immutable, so this copies nothing) and `restore`
 returns to it. To verify speculative candidates, a recurrent layer runs them all and holds the
 state after every candidate; `commit` then keeps the state at the end of the accepted path, so
-accepted tokens are never run again. A KV cache holds the candidates' keys and values apart from
-its buffer during such a pass (attention reads them from there) and `commit` writes only the
-accepted path's into the buffer. A `DevicePath` commits a path the host has not read yet, so that
+accepted tokens are never run again. A KV cache holds the candidates' keys and values for
+`commit`, which writes only the accepted path's into the buffer after the tokens before it;
+attention reads the candidates apart from the buffer (the tree-attention kernel) or from the
+buffer's rows after the context, where it writes them first (`write_tree`: one scatter per
+array, where joining them to the buffer would copy the whole buffer every pass). A `DevicePath` commits a path the host has not read yet, so that
 greedy passes can be queued one ahead of the host; `advance` then moves the offsets once it has.
 That write waits for the buffers' next use (`_flush`, at the start of the next pass): made in the
 pass that read the buffers, it met them still held by the pass's attention kernels on a GPU (MLX
@@ -139,15 +141,27 @@ class KVCache(Cache):
     def hold(self, row: mx.array, keys: mx.array, values: mx.array):
         """Hold a candidate tree's n keys/values (1, KV, n, D) until `commit`, which writes the
         accepted path's from buffer row `row` (node 0's: `tree_buffers`, which makes the room), a
-        device array the host may not know yet. Nothing is written now: attention reads the tree's
-        rows apart from the buffer (`mlx_hybrid.attention`), so that committing a path is one
-        write per array rather than a write of every node and then a move of the path."""
+        device array the host may not know yet. The tree stays held apart from the buffer (where
+        MLX's attention also reads it from the buffer's rows, `write_tree`), so that committing a
+        path is one write per array rather than a move of rows within the buffer."""
         self._held = (row, keys, values)
 
     @property
     def held(self) -> list[mx.array] | None:
         """The held tree's keys and values."""
         return None if self._held is None else list(self._held[1:])
+
+    def write_tree(self, tree, row: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The buffers with a tree's keys/values (1, KV, n, D) in rows row.. (`tree_buffers` made
+        the room), for attention to read the context and the tree as one array; `commit` later
+        overwrites those rows with the accepted path's. A scatter, whose index the layers share
+        (`TreeMask.once`): on MLX's CUDA backend a write at a device offset is two kernels."""
+        n = keys.shape[2]
+        index = tree.once(("rows", tree.host_offset(self.offset), self.start, keys.shape),
+                          lambda: mx.broadcast_to((row + mx.arange(n, dtype=mx.int32))[None, None, :, None], keys.shape))
+        self._keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+        self._values = mx.put_along_axis(self.values, index, values, axis=2)
+        return self._keys, self._values
 
     def tree_buffers(self, n: int, pos: mx.array, bound: int, like: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The whole buffers, with room for a tree of n nodes (1, KV, n, D) like `like` at pos
@@ -184,9 +198,9 @@ class KVCache(Cache):
         return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
 
     def tree_mask(self, tree, row: mx.array, depths: mx.array) -> mx.array:
-        """Mask (n, buffer rows + n) for the tree held at buffer row `row` (`hold`), over the
-        buffer followed by the tree's own rows: every node sees the rows before the tree (within
-        the window), then itself and its ancestors. Built once per pass (`TreeMask.once`)."""
+        """Mask (n, buffer rows) for the tree written at buffer row `row` (`write_tree`): every
+        node sees the rows before the tree (within the window), itself and its ancestors. Built
+        once per pass (`TreeMask.once`)."""
         key = ("mask", tree.host_offset(self.offset), self.start, self.keys.shape[2])
         return tree.once(key, lambda: tree_mask_over(self.keys.shape[2], row, tree.visible(), depths, self.window))
 
@@ -250,13 +264,16 @@ class KVCache(Cache):
 
 
 def tree_mask_over(rows: int, row: mx.array, visible: mx.array, depths: mx.array | None = None, window: int | None = None) -> mx.array:
-    """`KVCache.tree_mask` for buffers of `rows` rows: the rows before `row` (within the window,
-    from each node's depth), then the tree's own visible (n, n) ancestor mask."""
+    """`KVCache.tree_mask` for buffers of `rows` rows with the tree's n nodes in rows row..: the
+    rows before `row` (within the window, from each node's depth), then the tree's own visible
+    (n, n) ancestor mask, then nothing."""
+    n = visible.shape[0]
     rel = mx.arange(rows) - row  # buffer row relative to node 0
-    before = mx.broadcast_to(rel[None] < 0, (visible.shape[0], rows))
+    before = mx.broadcast_to(rel[None] < 0, (n, rows))
     if window is not None:
         before = before & (depths[:, None] - rel[None] < window)
-    return mx.concatenate([before, visible], axis=1)
+    inside = (rel >= 0) & (rel < n)
+    return before | (mx.take(visible, mx.clip(rel, 0, n - 1), axis=1) & inside[None])
 
 
 @functools.lru_cache(maxsize=8)

@@ -331,18 +331,17 @@ def test_kv_cache_sliding_window_keeps_a_path_the_host_has_not_read():
 
 
 def test_tree_mask_sees_the_prefix_and_the_ancestors():
-    """The mask over the whole buffer and then the tree's own rows, for a tree held at a device
-    position, with a window."""
+    """The mask over the buffer, the tree's rows from its buffer row on, for a tree placed at a
+    device position, with a window."""
     cache = KVCache(window=4)
     cache.update_and_fetch(kv_rows(0, 5), kv_rows(0, 5))
     tree = TreeMask.from_parents([-1, 0, 0, 2]).at(mx.array([5], mx.int32), 5)
     _, _, row = hold_tree(cache, kv_rows(5, 9), kv_rows(5, 9), tree.pos, tree.bound)
     mask = np.array(cache.tree_mask(tree, row, tree.node_depths()))
-    rows = cache.keys.shape[2]
-    want = np.zeros((4, rows + 4), bool)
+    want = np.zeros((4, cache.keys.shape[2]), bool)
     for t, depth in enumerate([0, 1, 1, 2]):
         want[t, max(0, 5 + depth - 3) : 5] = True  # rows within the window before the tree
-    want[:, rows:] = ancestor_mask([-1, 0, 0, 2])
+    want[:, 5:9] = ancestor_mask([-1, 0, 0, 2])  # the tree's rows, then nothing
     np.testing.assert_array_equal(mask, want)
 
 

@@ -6,8 +6,8 @@ shapes (the KV buffers grow every `cache.STEP` tokens), and a pass of a small mo
 the host's time per op, which replaying cuts to MLX's own, without Python building a few hundred
 ops again. Inside the trace the model runs its ordinary forward pass with the tree mask, over
 caches rebuilt from the arrays handed in; what the layers hold for `commit` (the nodes' keys and
-values, or the state after each node) comes back out and is held by the real caches. The trace
-keeps the weights the model has at its first pass.
+values, or the state after each node) and the KV buffers they wrote come back out to the real
+caches. The trace keeps the weights the model has at its first pass.
 """
 
 import functools
@@ -62,23 +62,26 @@ def _compiled(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -
         _COMPILED[key] = mx.compile(functools.partial(_pass, weakref.proxy(model), kinds))
         weakref.finalize(model, _COMPILED.pop, key, None)
     arrays = [a for c in cache for a in c.state]
-    logits, h, *held = _COMPILED[key](tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *arrays)
-    for c, a, b in zip(cache, held[::2], held[1::2]):
-        if isinstance(c, KVCache):
+    logits, h, *out = _COMPILED[key](tokens, tree.pos, tree.node_depths(), tree.parent_array(), tree.visible(), *arrays)
+    for c in cache:
+        if isinstance(c, KVCache):  # the buffers, with the tree written where attention wrote it
+            (c.keys, c.values, a, b), out = out[:4], out[4:]
             c.hold(c.buffer_row(tree.pos), a, b)
         else:
+            (a, b), out = out[:2], out[2:]
             c.hold([a, b])
     return logits, h
 
 
 def _pass(model: nn.Module, kinds: tuple, tokens, pos, depths, parents, visible, *arrays):
-    """The traced pass: logits, hidden states and each layer's two held arrays for tree nodes
-    tokens (1, n) with node 0 at pos, over caches whose arrays (two a layer, in turn) hold the
-    context before pos. Room for the nodes was made before (bound 0: no buffer grows here)."""
+    """The traced pass: logits, hidden states and each layer's held arrays for tree nodes tokens
+    (1, n) with node 0 at pos, over caches whose arrays (two a layer, in turn) hold the context
+    before pos; a KV cache's two buffers come back first (`KVCache.write_tree`). Room for the
+    nodes was made before (bound 0: no buffer grows here)."""
     caches = []
     for kind, a, b in zip(kinds, arrays[::2], arrays[1::2]):
         c = kind()
         c.state = [a, b]
         caches.append(c)
     logits, h = model(tokens, caches, mask=TreeMask(parents, depths, visible, pos, 0), return_hidden=True)
-    return logits, h, *[x for c in caches for x in c.held]
+    return logits, h, *[x for c in caches for x in (c.state if isinstance(c, KVCache) else []) + c.held]
