@@ -15,7 +15,10 @@ acceptance of the pass, every beam counted: the oracle puts the true path on one
 a profile of one chain's top-1 accuracy (0.538 / 0.499 / 0.471 for the same drafter,
 benchmarks/results/train-default-nvidia-h100.json) would undercount what the beams accept.
 
-    python -m benchmarks.oracle [--model DIR] [--prompts 16] [--gen-tokens 64]
+`--beam WxL` measures the drafter at another beam (a smaller beam accepts less and costs a
+smaller pass).
+
+    python -m benchmarks.oracle [--model DIR] [--prompts 16] [--gen-tokens 64] [--beam 2x5]
 """
 
 import argparse
@@ -206,15 +209,19 @@ class _DraftCache:
         return n
 
 
-def measure(model_dir: Path, prompts: list[list[int]], gen_tokens: int, method: str = "redrafter") -> dict:
+def measure(model_dir: Path, prompts: list[list[int]], gen_tokens: int, method: str = "redrafter",
+            beam: tuple[int, int] | None = None) -> dict:
     """Run the model's own trained `method` greedily after each prompt and count the drafts each
-    pass accepted: {"profile": (P(>= d | >= d - 1) for d = 1..depth), "tokens_per_pass", "passes"}."""
+    pass accepted: {"profile": (P(>= d | >= d - 1) for d = 1..depth), "tokens_per_pass", "passes"};
+    beam: ReDrafter's (width, length) instead of its drafter's own."""
     from mlx_hybrid.loader import load_model
     from mlx_hybrid.speculative.proposer import load_proposer
     from mlx_hybrid.speculative.steps import speculative_steps
 
     model = load_model(model_dir)
-    proposer = load_proposer(method, model, model_dir)
+    from mlx_hybrid.profiles import Settings
+
+    proposer = load_proposer(method, model, model_dir, settings=Settings(*beam) if beam else None)
     accepted = []
     for prompt in prompts:
         made = 0
@@ -245,25 +252,32 @@ def main(argv=None) -> int:
     p.add_argument("--method", choices=("redrafter", "medusa"), default="redrafter")
     p.add_argument("--prompts", type=int, default=16, help="held-out chat questions (benchmarks/chat_prompts.txt)")
     p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--beam", default=None, help="redrafter: beam width x length, e.g. 2x5 (default: the drafter's own)")
     p.add_argument("--results", type=Path, default=None, help="also write the measurement into this directory")
     args = p.parse_args(argv)
+    try:
+        beam = tuple(int(x) for x in args.beam.lower().split("x")) if args.beam else None
+        if beam is not None and (len(beam) != 2 or min(beam) < 1 or args.method != "redrafter"):
+            raise ValueError
+    except ValueError:
+        p.error(f"--beam takes WxL with --method redrafter, got {args.beam!r}")
     model_dir = args.model or default_model_path()
     tokenizer = load_tokenizer(model_dir)
     questions = CHAT_PROMPTS.read_text().splitlines()[: args.prompts]
     prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    result = measure(model_dir, prompts, args.gen_tokens, args.method)
+    result = measure(model_dir, prompts, args.gen_tokens, args.method, beam)
     print(json.dumps(result))
     if args.results:
         import shlex, sys, time
         from benchmarks.run import device_description, slugify
 
         device = device_description()
-        result |= dict(label=device["default_label"], device=device, model=model_dir.name, method=args.method,
+        result |= dict(label=device["default_label"], device=device, model=model_dir.name, method=args.method, beam=args.beam,
                        prompts=f"each of {len(prompts)} held-out chat questions", gen_tokens=args.gen_tokens,
                        command="python -m benchmarks.oracle " + shlex.join(argv if argv is not None else sys.argv[1:]),
                        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
         args.results.mkdir(parents=True, exist_ok=True)
-        name = slugify(f"oracle-profile {args.model.name if args.model else 'default'} {device['default_label']}")
+        name = slugify(f"oracle-profile {args.model.name if args.model else 'default'} {args.beam or ''} {device['default_label']}")
         (args.results / f"{name}.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -267,3 +267,12 @@ def test_oracle_at_a_measured_profile_accepts_as_the_passes_did():
     reference = np.random.default_rng(4).integers(0, VOCAB, 6000).tolist()
     for oracle in shapes(reference, 0, profile_of(passes)):
         assert abs(np.mean(accepted_depths(oracle, reference, 0, 1000)) - np.mean(passes)) < 0.12, oracle.name
+
+
+@pytest.mark.parametrize("args", [["--beam", "2y5"], ["--beam", "0x5"], ["--beam", "2x5", "--method", "medusa"]])
+def test_oracle_measure_rejects_a_bad_beam(args, capsys):
+    from benchmarks import oracle
+
+    with pytest.raises(SystemExit) as e:
+        oracle.main(args)
+    assert e.value.code == 2 and "--beam takes WxL with --method redrafter" in capsys.readouterr().err
