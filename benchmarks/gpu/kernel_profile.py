@@ -10,9 +10,13 @@ launched, and the kernels that take the most time. A loop whose busy time is clo
 time is bound by the device.
 
 MODEL: a model directory with its medusa/ and/or redrafter/, or a new directory for random
-weights in SmolLM2-135M's shape with untrained heads (`speculative.py`'s). Prints JSON.
+weights in `--shape` (default SmolLM2-135M's) with untrained heads (`speculative.py`'s).
+`--rows` and `--tree-limit` set which projections take the row kernel and which trees the
+tree-attention kernel (`linear.ROWS`, `tree_attention.LIMIT`), as a tuning profile would; by
+default both kernels take everything they fit. Prints JSON.
 
     python -m benchmarks.gpu.kernel_profile OUTDIR/llama-target [--dtype bfloat16] [--tree-size 24] [--beam 4x5] [--heads-dtype bfloat16] [--top 12] [--sequence]
+    python -m benchmarks.gpu.kernel_profile MODELDIR --shape llama-3-8b --dtype bfloat16 --beam 4x5 --rows 0 --tree-limit 4
 """
 
 import argparse
@@ -29,11 +33,15 @@ from torch.profiler import ProfilerActivity, profile
 import mlx.core as mx  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1]
+from benchmarks.run import SYNTHETIC  # noqa: E402
 from benchmarks.speculative import synthetic_target  # noqa: E402
+
+from mlx_hybrid import tree_attention  # noqa: E402
 
 from mlx_hybrid.cache import trim_cache  # noqa: E402
 from mlx_hybrid.decode import generate_step, generation_stream, prefill  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
+from mlx_hybrid.models import linear  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
 from mlx_hybrid.speculative.steps import _greedy_passes  # noqa: E402
@@ -98,12 +106,18 @@ def main(argv=None) -> int:
     p.add_argument("--heads-dtype", default=None, help="the heads' and drafter's dtype; default: the target's")
     p.add_argument("--tree-size", type=int, default=0, help="Medusa tree size (default: its own tree)")
     p.add_argument("--beam", default="", help="ReDrafter beams WxL[,WxL...] (default: its own)")
+    p.add_argument("--shape", choices=sorted(SYNTHETIC), default="smollm2-135m", help="a new random target's shape")
+    p.add_argument("--rows", type=int, default=None, help="the most rows a projection gives the row kernel (0: MLX's matmul)")
+    p.add_argument("--tree-limit", type=int, default=None, help="the most nodes the tree-attention kernel takes (0: MLX's attention)")
     p.add_argument("--items", type=int, default=30)
     p.add_argument("--top", type=int, default=12, help="kernels listed per loop, most time first")
     p.add_argument("--sequence", action="store_true", help="also list one step's or pass's kernels in launch order")
     args = p.parse_args(argv)
 
-    d = synthetic_target(args.model)
+    d = synthetic_target(args.model, args.shape)
+    if args.rows is not None:
+        linear.ROWS = args.rows
+    tree_attention.LIMIT = args.tree_limit
     model = load_model(d, args.dtype)
     V = model.args.vocab_size
     variants = {}
@@ -113,7 +127,9 @@ def main(argv=None) -> int:
         for b in args.beam.split(",") if args.beam else [""]:
             w, l = (int(x) for x in b.split("x")) if b else (None, None)
             variants[f"redrafter{' ' + b if b else ''}"] = ("redrafter", Settings(w, l) if b else None)
-    out = {"model": str(d), "dtype": str(model.model.embed_tokens.weight.dtype), "mlx": mx.__version__, "torch": torch.__version__}
+    out = {"model": str(d), "dtype": str(model.model.embed_tokens.weight.dtype), "mlx": mx.__version__, "torch": torch.__version__,
+           "rows": linear.ROWS, "tree_limit": args.tree_limit, "command": "python -m benchmarks.gpu.kernel_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d")}
     with mx.stream(generation_stream):
         cache = model.make_cache()
         prefill(model, mx.random.randint(0, V, (256,), key=mx.random.key(0)), cache)
