@@ -215,12 +215,11 @@ def measure(model_dir: Path, prompts: list[list[int]], gen_tokens: int, method: 
     pass accepted: {"profile": (P(>= d | >= d - 1) for d = 1..depth), "tokens_per_pass", "passes"};
     beam: ReDrafter's (width, length) instead of its drafter's own."""
     from mlx_hybrid.loader import load_model
+    from mlx_hybrid.profiles import Settings
     from mlx_hybrid.speculative.proposer import load_proposer
     from mlx_hybrid.speculative.steps import speculative_steps
 
     model = load_model(model_dir)
-    from mlx_hybrid.profiles import Settings
-
     proposer = load_proposer(method, model, model_dir, settings=Settings(*beam) if beam else None)
     accepted = []
     for prompt in prompts:

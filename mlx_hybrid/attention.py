@@ -2,10 +2,10 @@
 nodes of a candidate tree (`mlx_hybrid.tree_mask.TreeMask`, a verification pass).
 
 The tree's keys and values are held for `commit` (`KVCache.hold`): each node sees the cached
-rows before the tree, itself and its ancestors. Which implementation
-runs is decided here, not by the model: on a GPU the tree-attention kernel
-(`mlx_hybrid.tree_attention`), which walks each node's parents and turns queries and keys by
-RoPE itself, else MLX's attention with the tree's mask spelled out.
+rows before the tree, itself and its ancestors. Which implementation runs is decided here, not by
+the model: on a GPU the tree-attention kernel (`mlx_hybrid.tree_attention`), which walks each
+node's parents and turns queries and keys by RoPE itself, else MLX's attention with the tree's
+mask spelled out, over the buffer with the tree written after the context (`KVCache.write_tree`).
 """
 
 import mlx.core as mx

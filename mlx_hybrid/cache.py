@@ -17,8 +17,9 @@ accepted tokens are never run again. A KV cache holds the candidates' keys and v
 `commit`, which writes only the accepted path's into the buffer after the tokens before it;
 attention reads the candidates apart from the buffer (the tree-attention kernel) or from the
 buffer's rows after the context, where it writes them first (`write_tree`: one scatter per
-array, where joining them to the buffer would copy the whole buffer every pass). A `DevicePath` commits a path the host has not read yet, so that
-greedy passes can be queued one ahead of the host; `advance` then moves the offsets once it has.
+array, where joining them to the buffer would copy the whole buffer every pass). A `DevicePath`
+commits a path the host has not read yet, so that greedy passes can be queued one ahead of the
+host; `advance` then moves the offsets once it has.
 That write waits for the buffers' next use (`_flush`, at the start of the next pass): made in the
 pass that read the buffers, it met them still held by the pass's attention kernels on a GPU (MLX
 keeps a kernel's inputs until it has run), so it could not write in place and copied each whole

@@ -37,7 +37,6 @@ from benchmarks.run import SYNTHETIC  # noqa: E402
 from benchmarks.speculative import synthetic_target  # noqa: E402
 
 from mlx_hybrid import tree_attention  # noqa: E402
-
 from mlx_hybrid.cache import trim_cache  # noqa: E402
 from mlx_hybrid.decode import generate_step, generation_stream, prefill  # noqa: E402
 from mlx_hybrid.loader import load_model  # noqa: E402
