@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hybrid_train.model import load_hybrid, mixer_types
@@ -43,20 +44,25 @@ def test_real_default_script(tmp_path, teacher_dir, article_corpus):
     assert set(report["seconds"]) >= {"news", "questions", "chat", "student", "redrafter", "perplexity-news", "perplexity-chat", "total"}
 
 
-def test_real_default_script_with_the_hybrid_target_settings(tmp_path, teacher_dir, article_corpus):
-    """--settings: configs/real_hybrid_target.yaml runs the same stages with its own settings (one
-    news sample a window, the teacher's MLPs frozen in the student); --tiny still shrinks them.
-    --gpus 2: the labelling and training stages run as two processes (torchrun, gloo)."""
+@pytest.mark.parametrize("name, samples, freeze", [
+    ("real_hybrid_target", 1, ["mlp"]),
+    ("real_quality", 8, ["mlp", "self_attn", "embed_tokens"]),
+])
+def test_real_default_script_with_other_settings(tmp_path, teacher_dir, article_corpus, name, samples, freeze):
+    """--settings: configs/real_hybrid_target.yaml (one news sample a window, the teacher's MLPs
+    frozen in the student) and configs/real_quality.yaml (eight samples, the default's parts frozen)
+    run the same stages with their own settings; --tiny still shrinks them. --gpus 2: the labelling
+    and training stages run as two processes (torchrun, gloo)."""
     out = tmp_path / "out"
-    settings = ROOT / "configs" / "real_hybrid_target.yaml"
+    settings = ROOT / "configs" / f"{name}.yaml"
     cmd = [sys.executable, str(ROOT / "scripts" / "real_default.py"), "--teacher", str(teacher_dir),
            "--corpus", str(article_corpus), "--out", str(out), "--gpus", "2", "--settings", str(settings), "--tiny"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     for trained in ("student", "redrafter"):
         assert torch.load(out / trained / "checkpoint.pt", weights_only=False)["world"] == 2
-    assert len((out / "news.jsonl").read_text().splitlines()) == 8  # 1 sample of each of the 8 windows
-    assert json.loads((out / "configs" / "student.json").read_text())["freeze"] == ["mlp"]
+    assert len((out / "news.jsonl").read_text().splitlines()) == 8 * samples  # of each of the 8 windows
+    assert json.loads((out / "configs" / "student.json").read_text())["freeze"] == freeze
     assert len(json.loads((out / "report.json").read_text())["redrafter"]["top1"]) == 2
     missing = subprocess.run(cmd[:-2] + [str(tmp_path / "none.yaml")], capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.strip() == f"error: no settings file {tmp_path / 'none.yaml'}"
