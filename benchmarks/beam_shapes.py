@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 BENCH_DIR = Path(__file__).resolve().parent
+from benchmarks.run import parse_beam  # noqa: E402
 from benchmarks.speculative import CHAT_PROMPTS  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
@@ -30,10 +31,10 @@ def main(argv=None) -> int:
     p.add_argument("beams", nargs="+", help="beam shapes, WIDTHxLENGTH")
     args = p.parse_args(argv)
     try:
-        shapes = [tuple(int(n) for n in beam.split("x")) for beam in args.beams]
+        shapes = [parse_beam(beam) for beam in args.beams]
     except ValueError:
         p.error(f"beam shapes are WIDTHxLENGTH, e.g. 4x5 (got {' '.join(args.beams)})")
-    if any(len(s) != 2 or s[0] < 1 or s[1] < 2 for s in shapes):
+    if any(s[0] < 1 or s[1] < 2 for s in shapes):
         p.error("a beam is at least 1 wide and 2 long, as WIDTHxLENGTH")
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
     prompts = [render_chat(tokenizer, [{"role": "user", "content": q}])

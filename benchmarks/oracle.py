@@ -241,6 +241,7 @@ def profile_of(accepted: list[int]) -> tuple[float, ...]:
 
 
 def main(argv=None) -> int:
+    from benchmarks.run import parse_beam
     from benchmarks.speculative import CHAT_PROMPTS
     from mlx_hybrid.chat import render_chat
     from mlx_hybrid.default_model import default_model_path
@@ -255,8 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=None, help="also write the measurement into this directory")
     args = p.parse_args(argv)
     try:
-        beam = tuple(int(x) for x in args.beam.lower().split("x")) if args.beam else None
-        if beam is not None and (len(beam) != 2 or min(beam) < 1 or args.method != "redrafter"):
+        beam = parse_beam(args.beam) if args.beam else None
+        if beam is not None and (min(beam) < 1 or args.method != "redrafter"):
             raise ValueError
     except ValueError:
         p.error(f"--beam takes WxL with --method redrafter, got {args.beam!r}")

@@ -136,6 +136,15 @@ def _variants(text):
     return list(dict.fromkeys(items))
 
 
+def parse_beam(text: str) -> tuple[int, int]:
+    """'4x5' -> ReDrafter's beam (width, length); ValueError where the text is not WxL. The
+    callers check the range they need."""
+    beam = tuple(int(x) for x in text.lower().split("x"))
+    if len(beam) != 2:
+        raise ValueError(f"not WxL: {text!r}")
+    return beam
+
+
 def parse_args(argv):
     p = _Parser(
         prog="python -m benchmarks.run",

@@ -46,7 +46,7 @@ import mlx.utils
 BENCH_DIR = Path(__file__).resolve().parent
 from benchmarks.index import render_file  # noqa: E402
 from benchmarks.oracle import PROFILE, OracleBeams, OracleDraft, OracleTree, continuation, parse_profile  # noqa: E402
-from benchmarks.run import SYNTHETIC, device_description, make_synthetic, slugify  # noqa: E402
+from benchmarks.run import SYNTHETIC, device_description, make_synthetic, parse_beam, slugify  # noqa: E402
 
 from mlx_hybrid.chat import render_chat  # noqa: E402
 from mlx_hybrid.errors import HybridError  # noqa: E402
@@ -288,10 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=BENCH_DIR / "results", help="where the JSON and plot go")
     args = p.parse_args(argv)
     try:
-        beams = [tuple(int(x) for x in b.lower().split("x")) for b in args.beam.split(",")]
+        beams = [parse_beam(b) for b in args.beam.split(",")]
         medusa_sizes = [int(n) for n in args.medusa_sizes.split(",") if n]
-        if any(len(b) != 2 for b in beams):
-            raise ValueError
     except ValueError:
         p.error(f"--beam takes WxL[,WxL...] and --medusa-sizes N[,N...], got {args.beam!r} and {args.medusa_sizes!r}")
     try:

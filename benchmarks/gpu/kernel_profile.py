@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 import mlx.core as mx  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1]
-from benchmarks.run import SYNTHETIC  # noqa: E402
+from benchmarks.run import SYNTHETIC, parse_beam  # noqa: E402
 from benchmarks.speculative import synthetic_target  # noqa: E402
 
 from mlx_hybrid import tree_attention  # noqa: E402
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         variants["medusa"] = ("medusa", Settings(tree_size=args.tree_size) if args.tree_size else None)
     if (d / "redrafter").is_dir():
         for b in args.beam.split(",") if args.beam else [""]:
-            w, l = (int(x) for x in b.split("x")) if b else (None, None)
+            w, l = parse_beam(b) if b else (None, None)
             variants[f"redrafter{' ' + b if b else ''}"] = ("redrafter", Settings(w, l) if b else None)
     out = {"model": str(d), "dtype": str(model.model.embed_tokens.weight.dtype), "mlx": mx.__version__, "torch": torch.__version__,
            "rows": linear.ROWS, "tree_limit": args.tree_limit, "command": "python -m benchmarks.gpu.kernel_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
