@@ -19,7 +19,10 @@ line (scripts/fetch_corpus.py). Stages (settings: configs/real_default.yaml; --t
    turn, sampled), deduplicated, the speed benchmark's (benchmarks/chat_prompts.txt) dropped;
    chat: the teacher answers them (sampled);
 3. student: `distill` into the student with every 2nd layer Mamba2 (the settings' `freeze` parts kept
-   the teacher's), on the news, chat and train.txt text, KL to the teacher on every label;
+   the teacher's), on the news, chat and train.txt text, KL to the teacher on every label; with an
+   `end-to-end` section (configs/real_quality_e2e.yaml), a second `distill` from that student on
+   the same data, its own `freeze` (the parts it names stay the teacher's) and learning rate: the
+   later stages then take this student, and perplexity reports both;
 4. drafter-labels: the student's own greedy continuations of windows of its training sequences
    (chat turns and news, the first `context` tokens); redrafter: the drafter distilled from the
    student along them, top-1 per step on continuations of other windows and of heldout.txt;
@@ -49,6 +52,7 @@ TINY = {  # sizes for the CPU test of this script
     "questions": {"count": 8, "heldout": 2, "max_new_tokens": 12, "batch_size": 4, "ended_only": False, "min_chars": 1},
     "pseudo-labels": {"max_new_tokens": 12, "batch_size": 4},
     "student": {"steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
+    "end-to-end": {"steps": 2, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "drafter-labels": {"prompts": 6, "heldout": 4, "context": 8, "max_new_tokens": 8, "batch_size": 4},
     "redrafter": {"draft_steps": 2, "steps": 3, "batch_size": 4, "seq_len": 64, "warmup_steps": 1, "save_every": 2},
     "perplexity": {"seq_len": 32, "max_blocks": 4},
@@ -146,11 +150,22 @@ def run(args) -> int:
     chat_train, chat_heldout = split_chat(chat, held_chat)
 
     student = out / "student"
+    distill_data = str(merge([news, chat_train], out / "distill.jsonl"))
     if not (student / "model" / "config.json").is_file():
-        cfg = dict(s["student"], teacher=str(teacher), data=str(merge([news, chat_train], out / "distill.jsonl")),
-                   hybrid={"d_state": head_dim(teacher)},
+        cfg = dict(s["student"], teacher=str(teacher), data=distill_data, hybrid={"d_state": head_dim(teacher)},
                    text=[str(args.corpus / t) for t in s["student"].get("text", [])], out=str(student))
         stage("student", cfg, out, args.resume, timings, kind="distill")
+    students = [student]
+    if "end-to-end" in s:  # MambaInLlama's second stage: the parts frozen so far train too, at a lower rate
+        e2e = out / "student-e2e"
+        if not (e2e / "model" / "config.json").is_file():
+            cfg = dict(s["end-to-end"], teacher=str(teacher), data=distill_data, init=str(student / "model"),
+                       attention=s["student"].get("attention", {"every": 2}), mixer=s["student"].get("mixer", "mamba2"),
+                       hybrid={"d_state": head_dim(teacher)},
+                       text=[str(args.corpus / t) for t in s["end-to-end"].get("text", [])], out=str(e2e))
+            stage("end-to-end", cfg, out, args.resume, timings, kind="distill")
+        students.append(e2e)
+        student = e2e
 
     d = dict(s["drafter-labels"])
     count, held_count, context = d.pop("prompts"), d.pop("heldout"), d.pop("context")
@@ -172,7 +187,7 @@ def run(args) -> int:
     ppl = {}
     for name, text in (("news", args.corpus / "heldout.txt"), ("chat", chat_heldout)):
         ppl[name] = out / f"perplexity-{name}.json"
-        stage(f"perplexity-{name}", dict(s["perplexity"], models=[str(teacher), str(student / "model")],
+        stage(f"perplexity-{name}", dict(s["perplexity"], models=[str(teacher)] + [str(d / "model") for d in students],
                                          text=[str(text)], out=str(ppl[name])), out, False, timings, kind="perplexity")
     report = {
         "teacher": str(args.teacher),

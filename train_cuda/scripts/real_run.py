@@ -83,7 +83,8 @@ def load_settings(path: Path, tiny: dict | None = None) -> dict:
     """A run's yaml settings, with the --tiny sizes (section -> values) laid over them when given."""
     settings = yaml.safe_load(path.read_text())
     for section, values in (tiny or {}).items():
-        settings[section].update(values)
+        if section in settings:  # a section a settings file leaves out stays out
+            settings[section].update(values)
     return settings
 
 

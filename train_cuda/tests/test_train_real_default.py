@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from hybrid_train.model import load_hybrid, mixer_types
 from hybrid_train.teacher import load_teacher, load_tokenizer
@@ -44,25 +45,47 @@ def test_real_default_script(tmp_path, teacher_dir, article_corpus):
     assert set(report["seconds"]) >= {"news", "questions", "chat", "student", "redrafter", "perplexity-news", "perplexity-chat", "total"}
 
 
-@pytest.mark.parametrize("name, samples, freeze", [
-    ("real_hybrid_target", 1, ["mlp"]),
-    ("real_quality", 8, ["mlp", "self_attn", "embed_tokens"]),
+@pytest.mark.parametrize("name, samples, freeze, gpus", [
+    ("real_hybrid_target", 1, ["mlp"], 2),
+    ("real_quality_e2e", 8, ["mlp", "self_attn", "embed_tokens"], 1),
 ])
-def test_real_default_script_with_other_settings(tmp_path, teacher_dir, article_corpus, name, samples, freeze):
+def test_real_default_script_with_other_settings(tmp_path, teacher_dir, article_corpus, name, samples, freeze, gpus):
     """--settings: configs/real_hybrid_target.yaml (one news sample a window, the teacher's MLPs
-    frozen in the student) and configs/real_quality.yaml (eight samples, the default's parts frozen)
-    run the same stages with their own settings; --tiny still shrinks them. --gpus 2: the labelling
-    and training stages run as two processes (torchrun, gloo)."""
+    frozen in the student) and configs/real_quality_e2e.yaml (eight samples, the default's parts
+    frozen, then the end-to-end stage) run the same stages with their own settings; --tiny still
+    shrinks them. --gpus 2: the labelling and training stages run as two processes (torchrun, gloo)."""
     out = tmp_path / "out"
     settings = ROOT / "configs" / f"{name}.yaml"
     cmd = [sys.executable, str(ROOT / "scripts" / "real_default.py"), "--teacher", str(teacher_dir),
-           "--corpus", str(article_corpus), "--out", str(out), "--gpus", "2", "--settings", str(settings), "--tiny"]
+           "--corpus", str(article_corpus), "--out", str(out), "--gpus", str(gpus), "--settings", str(settings), "--tiny"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     for trained in ("student", "redrafter"):
-        assert torch.load(out / trained / "checkpoint.pt", weights_only=False)["world"] == 2
+        assert torch.load(out / trained / "checkpoint.pt", weights_only=False)["world"] == gpus
     assert len((out / "news.jsonl").read_text().splitlines()) == 8 * samples  # of each of the 8 windows
     assert json.loads((out / "configs" / "student.json").read_text())["freeze"] == freeze
-    assert len(json.loads((out / "report.json").read_text())["redrafter"]["top1"]) == 2
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["redrafter"]["top1"]) == 2
+    if name == "real_quality_e2e":
+        # The second stage starts from the first's student and trains all but the embeddings; the
+        # drafter and the perplexity stages take its student, perplexity lists both.
+        stage2 = json.loads((out / "configs" / "end-to-end.json").read_text())
+        assert stage2["init"] == str(out / "student" / "model") and stage2["freeze"] == ["embed_tokens"]
+        first, second = load_hybrid(out / "student" / "model"), load_hybrid(out / "student-e2e" / "model")
+        assert mixer_types(second) == mixer_types(first)
+        assert torch.equal(second.get_parameter("model.embed_tokens.weight"), first.get_parameter("model.embed_tokens.weight"))
+        for k in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.1.mamba.out_proj.weight"):
+            assert not torch.equal(second.get_parameter(k), first.get_parameter(k)), k
+        assert json.loads((out / "configs" / "redrafter.json").read_text())["base"] == str(out / "student-e2e" / "model")
+        assert all(len(rows) == 3 for rows in report["perplexity"].values())
+        assert report["seconds"]["end-to-end"] > 0
     missing = subprocess.run(cmd[:-2] + [str(tmp_path / "none.yaml")], capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.strip() == f"error: no settings file {tmp_path / 'none.yaml'}"
+
+
+def test_quality_e2e_settings_are_the_quality_recipe_plus_its_second_stage():
+    """configs/real_quality_e2e.yaml is configs/real_quality.yaml (run on GPUs, reported in the
+    README) with an end-to-end section and nothing else changed."""
+    quality = yaml.safe_load((ROOT / "configs" / "real_quality.yaml").read_text())
+    e2e = yaml.safe_load((ROOT / "configs" / "real_quality_e2e.yaml").read_text())
+    assert set(e2e.pop("end-to-end")) >= {"steps", "lr", "freeze"} and e2e == quality
