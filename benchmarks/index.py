@@ -51,6 +51,7 @@ KINDS = {
     "pass-cost-ops": "benchmarks/pass_cost.py (op_* chains)",
     "kernel-profile": "benchmarks/gpu/kernel_profile.py",
     "kernel-bench": "benchmarks/gpu/kernel_bench.py --sweep",
+    "attention-cost": "benchmarks/gpu/attention_cost.py",
     "dispatch-cost": "benchmarks/gpu/dispatch_cost.py --graphs",
     "draft-phases": "benchmarks/gpu/draft_phases.py",
     "pass-phases": "benchmarks/gpu/pass_phases.py",
