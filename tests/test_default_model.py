@@ -111,6 +111,27 @@ def test_packing_a_build_gives_back_the_package_data(built, tmp_path):
     assert read_json_object(out / default_model.TEACHER) == read_json_object(PATH / default_model.TEACHER)
 
 
+def test_packing_refuses_a_student_whose_teacher_modules_trained(built, tmp_path):
+    """A student that trained a module the package takes from the GGUF (an MLP, after an
+    end-to-end stage) is refused in one line, and nothing is written: the build would put the
+    teacher's weights in its place."""
+    import shutil
+
+    from mlx_hybrid.convert.default_model import pack
+
+    gguf = default_model.teacher_gguf(read_json_object(PATH / default_model.TEACHER))
+    student = tmp_path / "student"
+    shutil.copytree(built, student)
+    shard = next(student.glob("*.safetensors"))
+    weights = mx.load(str(shard))
+    name = next(k for k in weights if k.endswith("mlp.down_proj.scales"))
+    weights[name] = weights[name] * 1.5  # every weight of that module off by a third of its size
+    mx.save_safetensors(str(shard), weights, {"format": "mlx"})
+    with pytest.raises(HybridError, match=f"the student's {name.removesuffix('.scales')} is not the teacher's"):
+        pack(student, gguf, PATH / "generation_config.json", tmp_path / "packed")
+    assert not (tmp_path / "packed").exists()
+
+
 def test_default_model_speculative_greedy_equals_plain_greedy(loaded, built):
     """Its drafter only speeds decoding up: greedy output with it is plain greedy output, token for token."""
     model, tokenizer = loaded
