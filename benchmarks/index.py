@@ -66,6 +66,7 @@ KINDS = {
     "train-hybrid-target": "train_cuda/scripts/real_default.py --settings train_cuda/configs/real_hybrid_target.yaml",
     "train-default": "train_cuda/scripts/real_default.py",
     "train-quality": "train_cuda/scripts/real_default.py --gpus 4 --settings train_cuda/configs/real_quality.yaml",
+    "train-quality-e2e": "train_cuda/scripts/real_default.py --gpus 4 --settings train_cuda/configs/real_quality_e2e.yaml",
     "train-scaling": "train_cuda/scripts/scaling.py",
     "perplexity": "benchmarks/perplexity.py",
     "oracle-profile": "benchmarks/oracle.py",

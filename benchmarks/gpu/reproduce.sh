@@ -15,6 +15,10 @@
 #   hybrid  train_cuda's hybrid-target run (a full-size 50% Mamba2 hybrid of the teacher and its
 #           drafter, OUTDIR/hybrid-run), OUTDIR/hybrid-target in bfloat16; its speculative table
 #           and the run's report
+#   quality (only when named: it trains on every GPU of the host, 4 or more) train_cuda's
+#           configs/real_quality_e2e.yaml run (the default's student on more data, then its
+#           end-to-end stage, OUTDIR/quality-run), OUTDIR/quality-target in bfloat16; its
+#           speculative table and the run's report
 #
 # A stage whose output exists is not run again (delete it to redo it); a training run that was
 # stopped resumes. Result files go to benchmarks/results/, replacing those of the same benchmark,
@@ -22,7 +26,7 @@
 # device in the results (default: the GPU's name without its memory size, "MLX CUDA backend").
 set -euo pipefail
 
-if [ $# -lt 1 ]; then sed -n '2,24p' "$0"; exit 2; fi
+if [ $# -lt 1 ]; then sed -n '2,26p' "$0"; exit 2; fi
 out=$(mkdir -p "$1" && cd "$1" && pwd); shift
 stages=${*:-decode heads llama hybrid}
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
@@ -67,7 +71,7 @@ if has decode; then
   python -m benchmarks.hybrid_context --shape llama-3.2-1b --dtype bfloat16 --steps 100 --label "$label"
 fi
 
-if has heads || has llama || has hybrid; then inputs; fi
+if has heads || has llama || has hybrid || has quality; then inputs; fi
 
 if has heads; then
   train real_heads.py "$out/heads" --base "$gguf"
@@ -96,6 +100,17 @@ if has hybrid; then
   fi
   speculative "$target"
   report "$run/report.json" train-hybrid-target
+fi
+
+if has quality; then
+  run=$out/quality-run target=$out/quality-target
+  train real_default.py "$run" --teacher "$gguf" --gpus "$(nvidia-smi -L | wc -l)" --settings train_cuda/configs/real_quality_e2e.yaml
+  if [ ! -d "$target/redrafter" ]; then
+    rm -rf "$target"
+    hybrid convert "$run/student-e2e/model" "$target" --dtype bfloat16 --redrafter "$run/redrafter/redrafter"
+  fi
+  speculative "$target"
+  report "$run/report.json" train-quality-e2e
 fi
 
 python -m benchmarks.index
