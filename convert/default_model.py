@@ -54,12 +54,12 @@ def check_kept(student: dict, config: dict, reader, gguf_config: dict, kept: set
         want, w = arrays["weight"], student.get(module + ".weight")
         if w is None:
             raise HybridError(f"the student has no {module}.weight, which the teacher's GGUF holds")
-        if module + ".scales" in student:
+        scales = student.get(module + ".scales")
+        if scales is not None:
             own = quant.get(module) if isinstance(quant.get(module), dict) else quant
-            scales = student[module + ".scales"].astype(mx.float32)
-            got = mx.dequantize(w, student[module + ".scales"], student[module + ".biases"], group_size=own["group_size"], bits=own["bits"])
-            steps = 1.05 + 2 ** own["bits"] * mx.finfo(student[module + ".scales"].dtype).eps
-            tol = steps * mx.abs(mx.repeat(scales, own["group_size"], axis=-1)) + 1e-6
+            got = mx.dequantize(w, scales, student[module + ".biases"], group_size=own["group_size"], bits=own["bits"])
+            steps = 1.05 + 2 ** own["bits"] * mx.finfo(scales.dtype).eps
+            tol = steps * mx.abs(mx.repeat(scales.astype(mx.float32), own["group_size"], axis=-1)) + 1e-6
         else:
             got, tol = w, 1e-3 * mx.abs(want) + 1e-6
         if got.shape != want.shape or not mx.all(mx.abs(got.astype(mx.float32) - want) <= tol).item():

@@ -187,7 +187,7 @@ def run(args) -> int:
     ppl = {}
     for name, text in (("news", args.corpus / "heldout.txt"), ("chat", chat_heldout)):
         ppl[name] = out / f"perplexity-{name}.json"
-        stage(f"perplexity-{name}", dict(s["perplexity"], models=[str(teacher)] + [str(d / "model") for d in students],
+        stage(f"perplexity-{name}", dict(s["perplexity"], models=[str(teacher)] + [str(m / "model") for m in students],
                                          text=[str(text)], out=str(ppl[name])), out, False, timings, kind="perplexity")
     report = {
         "teacher": str(args.teacher),

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from hybrid_train.model import load_hybrid, mixer_types
-from hybrid_train.teacher import load_teacher, load_tokenizer
+from hybrid_train.teacher import load_teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 
