@@ -270,12 +270,17 @@ def test_rejection_sampling_matches_target_synthetic():
     firsts, seconds = np.zeros(V), np.zeros((V, V))
     from mlx_hybrid.speculative.tree import pack_beams
 
+    packs = {}  # the packed tree of each draw of beams: a few thousand distinct among the n draws
     for _ in range(n):
         x = rng.choice(V, width, p=q1)
         y = np.array([rng.choice(V, p=q2[a]) for a in x])
-        packed = pack_beams(np.stack([np.full(width, 9), x, y], axis=1))
-        T = packed.count.item()
-        tokens, parents, node_of = np.array(packed.tokens)[:T], packed.tree.parents[:T].tolist(), np.array(packed.node_of)
+        key = (x.tobytes(), y.tobytes())
+        if key not in packs:
+            packed = pack_beams(np.stack([np.full(width, 9), x, y], axis=1))
+            T = packed.count.item()
+            packs[key] = np.array(packed.tokens)[:T], packed.tree.parents[:T].tolist(), np.array(packed.node_of)
+        tokens, parents, node_of = packs[key]
+        T = len(tokens)
         q, p = np.zeros((T, V + 10)), np.zeros((T, V + 10))
         drafts = {}
         for b in range(width):
@@ -290,7 +295,7 @@ def test_rejection_sampling_matches_target_synthetic():
                 p[t, :V], q[t, :V] = p2[tok], q2[tok]
             else:
                 p[t, :V] = 1.0 / V
-        path, nxt = accept.rejection(Candidates(tokens, parents, drafts=drafts, q=q), p, rng)
+        path, nxt = accept.rejection(Candidates(tokens.copy(), list(parents), drafts=drafts, q=q), p, rng)
         emitted = [int(tokens[t]) for t in path[1:]] + [nxt]
         firsts[emitted[0]] += 1
         if len(emitted) >= 2:
