@@ -44,8 +44,9 @@ TREES = {
 }
 
 
-def layer_cost(layer: Attention, parents: list[int], context: int, kernel: bool, dtype) -> dict:
-    """Per call: the summed kernel durations (us) and, for the kernel, CUPTI's launch figures."""
+def layer_cost(layer: Attention, parents: list[int], context: int, kernel: bool, dtype) -> tuple[dict, mx.array]:
+    """Per call: the summed kernel durations (us) and, for the kernel, CUPTI's launch figures; and
+    the layer's output, to compare the two paths."""
     n, heads, kv, d = len(parents), layer.n_heads, layer.n_kv_heads, layer.head_dim
     cache = KVCache()
     cache.update_and_fetch(*(mx.random.normal((1, kv, context, d), key=mx.random.key(i)).astype(dtype) for i in (0, 1)))

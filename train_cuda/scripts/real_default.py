@@ -149,23 +149,21 @@ def run(args) -> int:
     chat = labels("chat", teacher, write_prompts(out / "chat-prompts.jsonl", asked), True, sampled)
     chat_train, chat_heldout = split_chat(chat, held_chat)
 
-    student = out / "student"
     distill_data = str(merge([news, chat_train], out / "distill.jsonl"))
-    if not (student / "model" / "config.json").is_file():
-        cfg = dict(s["student"], teacher=str(teacher), data=distill_data, hybrid={"d_state": head_dim(teacher)},
-                   text=[str(args.corpus / t) for t in s["student"].get("text", [])], out=str(student))
-        stage("student", cfg, out, args.resume, timings, kind="distill")
-    students = [student]
+
+    def distill(section: str, student: Path, **extra):
+        """A distill stage from the settings' section, on the news and chat data and train.txt text."""
+        if not (student / "model" / "config.json").is_file():
+            cfg = dict(s[section], teacher=str(teacher), data=distill_data, hybrid={"d_state": head_dim(teacher)},
+                       text=[str(args.corpus / t) for t in s[section].get("text", [])], out=str(student), **extra)
+            stage(section, cfg, out, args.resume, timings, kind="distill")
+        return student
+
+    students = [distill("student", out / "student")]
     if "end-to-end" in s:  # MambaInLlama's second stage: the parts frozen so far train too, at a lower rate
-        e2e = out / "student-e2e"
-        if not (e2e / "model" / "config.json").is_file():
-            cfg = dict(s["end-to-end"], teacher=str(teacher), data=distill_data, init=str(student / "model"),
-                       attention=s["student"].get("attention", {"every": 2}), mixer=s["student"].get("mixer", "mamba2"),
-                       hybrid={"d_state": head_dim(teacher)},
-                       text=[str(args.corpus / t) for t in s["end-to-end"].get("text", [])], out=str(e2e))
-            stage("end-to-end", cfg, out, args.resume, timings, kind="distill")
-        students.append(e2e)
-        student = e2e
+        students.append(distill("end-to-end", out / "student-e2e", init=str(students[0] / "model"),
+                                attention=s["student"].get("attention", {"every": 2}), mixer=s["student"].get("mixer", "mamba2")))
+    student = students[-1]
 
     d = dict(s["drafter-labels"])
     count, held_count, context = d.pop("prompts"), d.pop("heldout"), d.pop("context")
