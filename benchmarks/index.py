@@ -538,7 +538,7 @@ TABLES = {
     "pass-cost": (["pass-cost-forwards"], pass_cost_tables),
     "graph-ops": (["graph-ops"], graph_tables),
     "tune": (["tune"], tune_tables),
-    "training": (["train-heads", "train-hybrid-target", "train-default", "train-quality"], training_tables),
+    "training": (["train-heads", "train-hybrid-target", "train-default", "train-quality", "train-quality-e2e"], training_tables),
     "training-scaling": (["train-scaling"], scaling_tables),
     "perplexity": (["perplexity"], perplexity_tables),
     "serve": (["serve", "serve-steps", "serve-robustness"], serve_tables),
