@@ -44,7 +44,7 @@ from mlx_hybrid.speculative import verify
 from mlx_hybrid.speculative.load import target_dtype
 from mlx_hybrid import attention
 from mlx_hybrid.speculative import accept
-from mlx_hybrid.tree_mask import TreeMask
+from mlx_hybrid.tree_mask import TreeMask, tree_depths
 from mlx_hybrid.cache import commit, trim_cache
 from mlx_hybrid.models import linear
 from mlx_hybrid.kernels import kernel_backend
@@ -197,10 +197,11 @@ with mx.stream(generation_stream):
                 mx.eval(outs)
             out[f"sdpa30_T{T}_{name}"] = ms(f)
         if kernel_backend():
-            par, pre, sc = mx.array([-1] + [(t - 1) // 2 for t in range(1, T)], mx.int32), mx.array([290 - T], mx.int32), mx.array([0.1])
+            tree = [-1] + [(t - 1) // 2 for t in range(1, T)]
+            par, rows = mx.array(tree, mx.int32), mx.array(290 - T + tree_depths(tree))
             tk = k[..., :T, :]  # the tree's own keys and values
             at, freqs = mx.arange(290 - T, 290, dtype=mx.int32), mx.ones((D // 2,))
-            f = lambda: mx.eval([tree_attention(q, k, v, tk, tk, par, pre, sc, at, freqs, backend=kernel_backend()) for _ in range(30)])
+            f = lambda: mx.eval([tree_attention(q, k, v, tk, tk, par, rows, at, freqs, scale=0.1, backend=kernel_backend()) for _ in range(30)])
             out[f"tree_attention30_T{T}"] = ms(f)
     # One op's cost: a chain of 200 dependent ops on a 576-wide activation of 1 or 34 rows, total
     # and host time (building the graph and handing it to the device) per op, in microseconds.

@@ -19,10 +19,13 @@
 // Inputs q (1, H, TN, D) queries before RoPE; k, v (1, KV, >= P, D) the cache, whose first P
 // rows come before the tree; tk, tv (1, KV, TN, D) the tree's own keys (before RoPE) and
 // values, which the cache receives only for the accepted path, after the pass; all any strides;
-// parents (TN,) int32, -1 for a root; prefix (1,) int32, P; scale (1,) float32; positions (TN,)
-// int32, each node's; freqs (D/2,) float32, mx.fast.rope's (inv_freq = 1 / freq). Outputs out
-// (1, TN, H, D), rk (1, KV, TN, D). Template: T, H, R (query heads per KV head), TN, D, G, E,
-// NW, B.
+// parents (TN,) int32, -1 for a root; node_rows (TN,) int32, each node's row in the cache's buffer
+// (P + its depth: the P rows before the root's are the cache's); positions (TN,) int32, each
+// node's; freqs (D/2,) float32, mx.fast.rope's (inv_freq = 1 / freq). Outputs out (1, TN, H, D),
+// rk (1, KV, TN, D). Template: T, H, R (query heads per KV head), TN, D, G, E, NW, B, and SCALE,
+// the attention scale's float32 bits. P comes from `node_rows` and the scale from the template, never
+// from an array of one element: MLX's CUDA allocator keeps arrays of 8 bytes or less in managed
+// memory on the host, which every thread's read would cross the bus for.
 const int group = threadgroup_position_in_grid.x;
 const int tid = thread_position_in_threadgroup.x;
 const int lane = tid % 32;
@@ -31,11 +34,10 @@ const int t = group / (H / R);
 const int kvh = group - t * (H / R);
 const int g = lane / G;  // the lane's row group in its simdgroup
 const int j = lane % G;  // and its place in the group
-const int P = prefix[0];
 const int half = D / 2;
 threadgroup int par[TN];
 threadgroup int chain[TN];
-threadgroup int visible[1];
+threadgroup int span[2];  // P, and the rows node t sees
 threadgroup float qs[R * D];   // the queries, turned and scaled
 threadgroup T ks[TN * D];      // the keys of node t and its ancestors, turned
 threadgroup float m_part[NW * R];
@@ -53,11 +55,13 @@ if (tid == 0) {  // the tree rows node t sees: itself, then its ancestors
     depth += 1;
     n = par[n];
   }
-  visible[0] = P + depth;
+  span[0] = node_rows[t] - depth + 1 > 0 ? node_rows[t] - depth + 1 : 0;
+  span[1] = span[0] + depth;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
-const int rows = visible[0];
-const float s0 = scale[0];
+const int P = span[0];
+const int rows = span[1];
+const float s0 = as_type<float>(SCALE);
 for (int x = tid; x < (R + rows - P) * D; x += NW * 32) {  // R query rows, then the chain's keys
   const int c = x / D;
   const int d = x - c * D;

@@ -21,7 +21,7 @@ def attention(layer, qkv: mx.array, mask: TreeMask | None, cache: KVCache) -> mx
     values before RoPE: (batch, L, (heads + 2 kv_heads) * head_dim) for L new tokens, giving
     (batch, L, heads * head_dim); for a tree, its nodes as rows (nodes, ...), giving (nodes,
     heads * head_dim). layer: the attention module: its head counts, head_dim and scale, and its
-    RoPE frequencies `_freqs` and scale array `_scale` (underscored: arrays, not parameters)."""
+    RoPE frequencies `_freqs` (underscored: an array, not a parameter)."""
     if isinstance(mask, TreeMask):
         return _tree_attention(layer, qkv, mask, cache)
     B, L, _ = qkv.shape
@@ -48,7 +48,8 @@ def _tree_attention(layer, qkv: mx.array, tree: TreeMask, cache: KVCache) -> mx.
     if backend := tree_kernel(qk, keys, cache.window):
         q, k = mx.split(qk, [H], axis=1)
         parents = tree.once("parents", tree.parent_array)
-        out, k = tree_attention(q, keys, values, k, v, parents, row, layer._scale, positions, layer._freqs, backend=backend)
+        node_rows = cache.buffer_row(positions)
+        out, k = tree_attention(q, keys, values, k, v, parents, node_rows, positions, layer._freqs, scale=layer.scale, backend=backend)
     else:
         # a node per batch entry in RoPE, so that each gets its own position
         turned = apply_rope_at(qk.transpose(2, 1, 0, 3), layer._freqs, positions).transpose(2, 1, 0, 3)

@@ -164,7 +164,7 @@ def _attention_case(rng) -> Case:
     arrays, (q, k, v, tk, tv) = _f32(rng.standard_normal((1, H, T, D)), rng.standard_normal((1, KV, prefix + 3, D)),
                                      rng.standard_normal((1, KV, prefix + 3, D)), rng.standard_normal((1, KV, T, D)),
                                      rng.standard_normal((1, KV, T, D)))
-    extra = [mx.array(parents, mx.int32), mx.array([prefix], mx.int32), mx.array([D**-0.5], mx.float32), mx.array(positions), mx.array(freqs)]
+    extra = [mx.array(parents, mx.int32), mx.array(positions), mx.array(positions), mx.array(freqs)]  # node rows = positions: the cache starts at 0
 
     def expect():
         qt, kt = _numpy_rope(q, positions, freqs), _numpy_rope(tk, positions, freqs)
@@ -180,7 +180,7 @@ def _attention_case(rng) -> Case:
                 out[0, t, head] = p / p.sum() @ np.concatenate([v[0, head // R, :prefix], tv[0, head // R, nodes]])
         return [out, kt]
 
-    return Case("tree_attention", lambda backend: tree_attention.tree_attention(*arrays, *extra, backend=backend), expect)
+    return Case("tree_attention", lambda backend: tree_attention.tree_attention(*arrays, *extra, scale=D**-0.5, backend=backend), expect)
 
 
 def _rows_case(rng) -> Case:

@@ -11,6 +11,8 @@ queries (benchmarks/README.md), and a verification pass of a small model is laun
 the same reason the kernel turns the queries and the tree's keys by RoPE itself.
 """
 
+import struct
+
 import mlx.core as mx
 
 from mlx_hybrid.kernels import kernel_backend, load_kernel
@@ -58,10 +60,11 @@ def _visible(parents: mx.array) -> mx.array:
     return mask
 
 
-def _attention_reference(*, inputs, **_):
-    """`tree_attention_ref` on the kernel's launch (its fallback)."""
-    q, keys, values, tree_keys, tree_values, parents, prefix, scale, positions, freqs = inputs
-    return tree_attention_ref(q, keys, values, tree_keys, tree_values, _visible(parents), prefix, scale, positions, freqs)
+def _attention_reference(*, inputs, template, **_):
+    """`tree_attention_ref` on the kernel's launch (its fallback): node 0, a root, sits at row P."""
+    q, keys, values, tree_keys, tree_values, parents, node_rows, positions, freqs = inputs
+    scale = struct.unpack("<f", struct.pack("<i", dict(template)["SCALE"]))[0]
+    return tree_attention_ref(q, keys, values, tree_keys, tree_values, _visible(parents), node_rows[:1], scale, positions, freqs)
 
 
 # Visible rows a lane group scores side by side, and simdgroups a threadgroup (metal_kernels/
@@ -86,7 +89,7 @@ def launch(H: int, KV: int, T: int, D: int, dtype) -> tuple[list, int, int] | No
     threadgroup memory would not fit (then the caller takes the reference)."""
     R, G = H // KV, lanes_per_row(D)
     for warps in (WARPS, WARPS // 2, 1):
-        shared = 4 * (2 * T + 1 + R * D + warps * R * (D + 2)) + dtype.size * T * D
+        shared = 4 * (2 * T + 2 + R * D + warps * R * (D + 2)) + dtype.size * T * D
         if shared <= SHARED_BYTES:
             template = [("T", dtype), ("H", H), ("R", R), ("TN", T), ("D", D), ("G", G), ("E", D // G), ("NW", warps), ("B", ROWS)]
             return template, T * KV, warps * 32
@@ -94,20 +97,21 @@ def launch(H: int, KV: int, T: int, D: int, dtype) -> tuple[list, int, int] | No
 
 
 def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.array, tree_values: mx.array,
-                   parents: mx.array, prefix: mx.array, scale: mx.array, positions: mx.array, freqs: mx.array,
-                   *, backend: str) -> tuple[mx.array, mx.array]:
-    """`tree_attention_ref` on the 'metal' or 'cuda' kernel: parents (T,) int32, prefix (1,) int32
-    and scale (1,) float32 as arrays, so one compiled kernel serves every step. Inputs keep their
-    strides (queries and keys come transposed out of the projection, the cache's keys are its
-    whole buffer)."""
+                   parents: mx.array, node_rows: mx.array, positions: mx.array, freqs: mx.array,
+                   *, scale: float, backend: str) -> tuple[mx.array, mx.array]:
+    """`tree_attention_ref` on the 'metal' or 'cuda' kernel, with prefix given as node_rows (T,)
+    int32, each node's row in the cache's buffer (prefix + its depth), an array so that one
+    compiled kernel serves every step; scale is compiled in (a model's constant). Inputs keep
+    their strides (queries and keys come transposed out of the projection, the cache's keys are
+    its whole buffer)."""
     _, H, T, D = q.shape
     KV = keys.shape[1]
     template, groups, threads = launch(H, KV, T, D, q.dtype)
-    names = ("q", "k", "v", "tk", "tv", "parents", "prefix", "scale", "positions", "freqs")
+    names = ("q", "k", "v", "tk", "tv", "parents", "node_rows", "positions", "freqs")
     kernel = load_kernel(backend, "tree_attention", names, ("out", "rk"), contiguous=False, reference=_attention_reference)
     return kernel(
-        inputs=[q, keys, values, tree_keys, tree_values, parents, prefix, scale, positions, freqs],
-        template=template,
+        inputs=[q, keys, values, tree_keys, tree_values, parents, node_rows, positions, freqs],
+        template=template + [("SCALE", struct.unpack("<i", struct.pack("<f", scale))[0])],
         grid=(groups * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, T, H, D), (1, KV, T, D)],

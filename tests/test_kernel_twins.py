@@ -73,6 +73,7 @@ SPELLINGS = {
         ("__shfl_xor_sync(0xffffffff, ov[r][e], o)", "simd_shuffle_xor(ov[r][e], static_cast<ushort>(o))"),
         ("cosf(", "metal::cos("),
         ("sinf(", "metal::sin("),
+        ("__int_as_float(", "as_type<float>("),
     ],
 }
 

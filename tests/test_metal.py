@@ -180,12 +180,11 @@ def test_tree_attention_threadgroup_memory_is_its_launchers_count(H, KV, D, dtyp
     T = largest_tree(H, KV, D, dtype)
     template, _, threads = tree_attention.launch(H, KV, T, D, dtype)
     t = dict(template)
-    count = 4 * (2 * T + 1 + t["R"] * D + t["NW"] * t["R"] * (D + 2)) + dtype.size * T * D
-    kernel = metal_emulator.metal_kernel("tree_attention", ["q", "k", "v", "tk", "tv", "parents", "prefix", "scale", "positions", "freqs"],
+    count = 4 * (2 * T + 2 + t["R"] * D + t["NW"] * t["R"] * (D + 2)) + dtype.size * T * D
+    kernel = metal_emulator.metal_kernel("tree_attention", ["q", "k", "v", "tk", "tv", "parents", "node_rows", "positions", "freqs"],
                                          ["out", "rk"], kernels.kernel_source("metal", "tree_attention"), ensure_row_contiguous=False)
-    arrays = [mx.zeros((1, 1, 8, D), dtype)] * 5 + [mx.zeros((T,), mx.int32), mx.zeros((1,), mx.int32), mx.zeros((1,), mx.float32),
-                                                    mx.zeros((T,), mx.int32), mx.zeros((D // 2,), mx.float32)]
-    measured = kernel.threadgroup_bytes(inputs=arrays, output_dtypes=[dtype, dtype], template=template)
+    arrays = [mx.zeros((1, 1, 8, D), dtype)] * 5 + [mx.zeros((T,), mx.int32)] * 3 + [mx.zeros((D // 2,), mx.float32)]
+    measured = kernel.threadgroup_bytes(inputs=arrays, output_dtypes=[dtype, dtype], template=template + [("SCALE", 0)])
     assert measured == count <= tree_attention.SHARED_BYTES == 32 << 10
     assert not tree_attention.launch(H, KV, T + 1, D, dtype)
 

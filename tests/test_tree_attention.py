@@ -17,7 +17,7 @@ from tests.helpers.factories import GPU_BACKENDS, make_hf_model_dir
 from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.rope import apply_rope_at, rope_frequencies
-from mlx_hybrid.tree_mask import TreeMask, ancestor_mask
+from mlx_hybrid.tree_mask import TreeMask, ancestor_mask, tree_depths
 from mlx_hybrid.tree_attention import launch, tree_attention, tree_attention_ref
 
 # Parent-before-child order: a Medusa-like tree, a chain, and a packed beam whose last two nodes
@@ -130,13 +130,12 @@ def test_cuda_body_on_the_cpu_matches_numpy():
                 ("tk", tk_buffer, (T * KV * D, D, KV * D, 1)),  # (1, KV, T, D) over a (T, KV, D) buffer
                 ("tv", tv_buffer, (T * KV * D, D, KV * D, 1)),
                 ("parents", np.array(parents, np.int32), None),
-                ("prefix", np.array([prefix], np.int32), None),
-                ("scale", np.array([D**-0.5], np.float32), None),
+                ("node_rows", prefix + tree_depths(parents), None),
                 ("positions", positions, None),
                 ("freqs", freqs, None),
             ],
             outputs=[("out", (1, T, H, D)), ("rk", (1, KV, T, D))],
-            template=[(k, "float" if k == "T" else v) for k, v in template],
+            template=[(k, "float" if k == "T" else v) for k, v in template] + [("SCALE", np.float32(D**-0.5).view(np.int32))],
             blocks=groups,
             threads=threads,
         )
@@ -164,8 +163,8 @@ def check_parity(backend, dtype, cases=None, device=mx.gpu):
                 # strided, as out of the projection; the cache's whole buffer, stale rows included
                 q, tk, tv = (mx.array(b).astype(dtype).swapaxes(0, 1)[None] for b in (q_buffer, tk_buffer, tv_buffer))
                 keys, values = mx.array(k).astype(dtype), mx.array(v).astype(dtype)
-                got = tree_attention(q, keys, values, tk, tv, mx.array(parents, mx.int32), mx.array([prefix], mx.int32),
-                                     mx.array([D**-0.5], mx.float32), positions, freqs, backend=backend)
+                got = tree_attention(q, keys, values, tk, tv, mx.array(parents, mx.int32), mx.array(prefix + tree_depths(parents)),
+                                     positions, freqs, scale=D**-0.5, backend=backend)
             # The queries and keys turned by MLX's RoPE in the dtype (rounded to it, as the kernel
             # rounds them), then attention on the same rounded inputs in exact float32 (the CPU
             # stream: MLX's CUDA backend multiplies float32 in TF32, and the CPU's half-type

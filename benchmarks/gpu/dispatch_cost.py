@@ -25,6 +25,7 @@ from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.models.linear import row_matmul, swiglu
 from mlx_hybrid.rope import rope_frequencies
 from mlx_hybrid.tree_attention import tree_attention
+from mlx_hybrid.tree_mask import tree_depths
 
 dt = mx.bfloat16
 backend = kernel_backend()
@@ -58,12 +59,12 @@ def micro() -> dict:
     w, buf, idx = r(960, 576), r(1, 3, 512, 64), mx.zeros((1, 3, 25, 64), mx.int32)
     lin = nn.Linear(576, 960, bias=False)
     lin.weight = w
-    parents = mx.array([-1] + [(t - 1) // 2 for t in range(1, 25)], mx.int32)
-    prefix, scale, positions = mx.array([200], mx.int32), mx.array([0.125], mx.float32), mx.arange(200, 225, dtype=mx.int32)
+    tree = [-1] + [(t - 1) // 2 for t in range(1, 25)]
+    parents, node_rows, positions = mx.array(tree, mx.int32), mx.array(200 + tree_depths(tree)), mx.arange(200, 225, dtype=mx.int32)
     freqs = rope_frequencies(64, 100000.0, None)
     # each op its own input (mx.compile would merge alike ops on one input into one)
     ins = {s: [r(*s) for _ in range(N)] for s in [(1, 1, 576), (25, 576), (25, 1536), (1, 3, 25, 64), (1, 9, 25, 64)]}
-    mx.eval(w, buf, idx, parents, prefix, scale, positions, freqs, ins)
+    mx.eval(w, buf, idx, parents, node_rows, positions, freqs, ins)
     cases = {
         "gemv, 1 row (a decode step's Linear)": ((1, 1, 576), lin),
         "add": ((25, 576), lambda x: x + 1),
@@ -80,7 +81,7 @@ def micro() -> dict:
             "row kernel, 25 rows": ((25, 576), lambda x: row_matmul(x, w, backend="cuda")),
             "custom kernel, small source": ((25, 576), lambda x: call(small, x)),
             "custom kernel, 8 KB more source": ((25, 576), lambda x: call(big, x)),
-            "tree attention, 25 nodes": ((1, 9, 25, 64), lambda q: tree_attention(q, buf, buf, tk, tk, parents, prefix, scale, positions, freqs, backend="cuda")[0]),
+            "tree attention, 25 nodes": ((1, 9, 25, 64), lambda q: tree_attention(q, buf, buf, tk, tk, parents, node_rows, positions, freqs, scale=0.125, backend="cuda")[0]),
         }
     out = {}
     for name, (shape, op) in cases.items():

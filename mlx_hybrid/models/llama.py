@@ -69,7 +69,6 @@ class Attention(nn.Module):
             args.head_dim,
         )
         self.scale = self.head_dim**-0.5
-        self._scale = mx.array([self.scale], mx.float32)  # the tree-attention kernel's input
         qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.qkv_proj = Linear(args.hidden_size, qkv, bias=args.attention_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.attention_bias)

@@ -9,6 +9,7 @@
 #include "runtime.h"
 
 static float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+static float __int_as_float(int v) { float f; memcpy(&f, &v, sizeof f); return f; }
 struct Dim { int x, y, z; };
 static int g_threads;
 #define threadIdx (Dim{emu::team.current, 0, 0})
