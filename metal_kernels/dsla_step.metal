@@ -9,7 +9,7 @@
 // Inputs qkv (batch, TN, (H + 2 KV) D): q, k, v rows; a1, a2 (batch, TN, H D): the gates'
 // pre-activations; s1, s2 (batch, H, D, D): the states before the tree, key row i, value column
 // j; mix: gamma (1) or alpha_list (2); norm_w (D): the RMSNorm weight (read only with NORM);
-// consts: 1 / gate_norm, the log-gate clamp, the norm's eps; parents (TN): parents[t] < t, -1
+// consts: 1 / gate_norm, the log-gate clamp, the norm's eps; parents (>= TN, the first TN read): parents[t] < t, -1
 // for the states before the tree. Outputs y (batch, TN, H D): the mixed (and normed) outputs;
 // s1_out, s2_out (batch, TN, H, D, D): the states after each node. Template: T, Tg, Tn (the
 // input dtypes), H, KV, D, S (threads a value column, a power of two <= 32), SOFTMAX, NORM.

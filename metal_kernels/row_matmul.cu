@@ -11,15 +11,16 @@
 // pairwise across lane distances 16, 8, 4, 2, 1, so a node's projection equals the decode
 // step's bit for bit.
 // The ops around a projection in a decoder layer can come inside the same launch (a pass is
-// bound by the host's time a launch): NORM, the RMSNorm before it (weight nw, eps[0]), each
+// bound by the host's time a launch): NORM, the RMSNorm before it (weight nw, eps EPS), each
 // row's sum of squares formed by every simdgroup that takes the row; GATE, SwiGLU before it
 // (x holds the gate's K columns, then the up's); RES, the residual r added after it. Each is
 // rounded to T where MLX's own op rounds, but NORM's sum of squares is formed in another order
 // than MLX's RMSNorm forms it, so a normalized row may differ from MLX's in the last bit.
-// Inputs x (M, K or 2K with GATE), w (N, K), nw (K), eps (1), r (M, N), all row-major (an input
-// a flag leaves out is not read). Output y (M, N). Template: T, N, K, NPT (MLX's elements a
-// load: 4 where 128 divides K, 2 where 64 does, else 1), C, NW, MW (= ceil(M / NW)), NORM, GATE,
-// RES (0 or 1). M, the rows, comes from x's shape, not the template: MLX builds a kernel once a
+// Inputs x (M, K or 2K with GATE), w (N, K), nw (K), r (M, N), all row-major (an input a flag
+// leaves out is not read). Output y (M, N). Template: T, N, K, NPT (MLX's elements a load: 4
+// where 128 divides K, 2 where 64 does, else 1), C, NW, MW (= ceil(M / NW)), NORM, GATE, RES (0
+// or 1), EPS (the norm's eps as float32 bits: an array of one element would sit in host memory
+// on MLX's CUDA backend, mlx_hybrid/kernels.py). M, the rows, comes from x's shape, not the template: MLX builds a kernel once a
 // template (an NVRTC compile on CUDA), so a template by M was built again for each new count of
 // rows (a chat turn's new tokens, the tokens a draft model re-reads); one by MW builds at most NW
 // times a weight shape.
@@ -40,7 +41,7 @@ for (int m = 0; m < MW; ++m) {
       ss += __shfl_xor_sync(0xffffffff, ss, o);
     }
   }
-  inv[m] = NORM ? rsqrtf(ss / K + static_cast<float>(eps[0])) : 1.0f;
+  inv[m] = NORM ? rsqrtf(ss / K + __int_as_float(EPS)) : 1.0f;
 }
 float acc[MW][C];
 for (int m = 0; m < MW; ++m) {

@@ -6,7 +6,7 @@
 // per op, and the unfused path is ~25 ops a layer).
 // Inputs u (batch, TN, P): the layer's input projection rows; dt (batch, TN, DTW): dt before
 // its bias; window (batch, K-1, WC): the conv inputs before the tree; conv_w (WC, K); conv_b
-// (WC); dt_bias, A_log, D; state (batch, N, DI); parents (TN): parents[t] < t, -1 for the
+// (WC); dt_bias, A_log, D; state (batch, N, DI); parents (>= TN, the first TN read): parents[t] < t, -1 for the
 // cached state. Outputs g (batch, TN, DI): the gated outputs; window_out (batch, TN, K-1, WC)
 // and state_out (batch, TN, N, DI): the window and state after each node. Template: T, N, S
 // (threads a channel, a power of two <= 32), R (KV-group repeats), K, MAMBA2, DI, DXB, and the

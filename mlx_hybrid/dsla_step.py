@@ -19,10 +19,7 @@ the kernel's own arguments: the ground truth of a launch, and what runs if the k
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_hybrid.kernels import load_kernel
-
-_ROOT = mx.array([-1], mx.int32)  # the decode step: one token continuing the cache
-
+from mlx_hybrid.kernels import DECODE_PARENTS, load_kernel
 
 def lanes(head_dim: int) -> int:
     """Threads a value column, each a share of its head_dim key rows: a power of two that keeps a
@@ -58,7 +55,7 @@ def dsla_step(qkv, a1, a2, s1, s2, mix, norm_w, consts, parents=None, *, kv_head
     names = ("qkv", "a1", "a2", "s1", "s2", "mix", "norm_w", "consts", "parents")
     return load_kernel(backend, "dsla_step", names, ("y", "s1_out", "s2_out"), reference=_reference)(
         inputs=[qkv, a1, a2, s1.astype(mx.float32), s2.astype(mx.float32), mix, norm_w if norm else consts, consts,
-                parents if tree else _ROOT],
+                parents if tree else DECODE_PARENTS],
         # T, Tg, Tn name every input dtype: MLX caches a compiled CUDA kernel by its name, which
         # holds the template arguments only.
         template=[("T", qkv.dtype), ("Tg", a1.dtype), ("Tn", norm_w.dtype if norm else mx.float32), ("H", heads),

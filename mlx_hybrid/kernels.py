@@ -12,10 +12,17 @@ import contextlib
 import contextvars
 import functools
 import re
+import struct
 import sys
 from importlib import resources
 
 import mlx.core as mx
+
+# The decode step's parents (one token continuing the cache) for the kernels that also take a
+# tree's: four elements where one is read, since MLX's CUDA allocator keeps arrays of 8 bytes or
+# less in managed memory on the host, where each of a kernel's reads crosses the bus. For the same
+# reason a model's scalar constants reach the kernels as template arguments (`float_bits`).
+DECODE_PARENTS = mx.full((4,), -1, mx.int32)
 
 # Kernels that failed in this process: name -> the error's first line.
 _failed: dict[str, str] = {}
@@ -115,3 +122,14 @@ def kernel_source(backend: str, name: str) -> str:
     and a verification pass launches 150 kernels."""
     source = resources.files("mlx_hybrid.metal_kernels").joinpath(name + {"metal": ".metal", "cuda": ".cu"}[backend]).read_text()
     return "\n".join(re.sub(r"//.*", "", line).strip() for line in source.splitlines())
+
+
+def float_bits(x: float) -> int:
+    """The float32 bits of x as an int, a kernel's template argument (MLX's take ints, not floats);
+    the body reads it back with `__int_as_float` (CUDA) or `as_type<float>` (Metal)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def bits_float(bits: int) -> float:
+    """`float_bits` undone, for a kernel's reference."""
+    return struct.unpack("<f", struct.pack("<i", bits))[0]

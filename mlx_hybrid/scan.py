@@ -31,7 +31,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_hybrid.kernels import kernel_backend, load_kernel
+from mlx_hybrid.kernels import DECODE_PARENTS, kernel_backend, load_kernel
 
 
 def selective_scan_ref(
@@ -172,9 +172,6 @@ def _scan_reference(*, inputs, template, **_):
     return selective_scan_ref(x, dt, A, B, C, D, state, save.tolist(), parents if dict(template)["TREE"] else None)
 
 
-_ROOT = mx.array([-1], mx.int32)  # the decode step: one token continuing the cache
-
-
 def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=None, *, mamba2: bool, d_xb: int, offsets, backend: str):
     """A Mamba (mamba2=False) or Mamba2 mixer between its two projections on the fused GPU kernel:
     one decode step, or with `parents` the nodes of a candidate tree.
@@ -202,7 +199,7 @@ def ssm_step(u, dt, window, conv_w, conv_b, dt_bias, A_log, D, state, parents=No
         ("g", "window_out", "state_out"), reference=_step_reference,
     )(
         inputs=[u, dt, window, conv_w.astype(dtype), conv_b.astype(dtype), dt_bias.astype(mx.float32),
-                A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32), parents if tree else _ROOT],
+                A_log.astype(mx.float32), D.astype(mx.float32), state.astype(mx.float32), parents if tree else DECODE_PARENTS],
         template=[("T", dtype), ("N", n), ("S", lanes), ("R", d // d_xb), ("K", K), ("MAMBA2", mamba2), ("DI", d),
                   ("DXB", d_xb), ("OX", ox), ("OZ", oz), ("OB", ob), ("OC", oc)],
         grid=(d * lanes, b, 1),

@@ -11,11 +11,9 @@ queries (benchmarks/README.md), and a verification pass of a small model is laun
 the same reason the kernel turns the queries and the tree's keys by RoPE itself.
 """
 
-import struct
-
 import mlx.core as mx
 
-from mlx_hybrid.kernels import kernel_backend, load_kernel
+from mlx_hybrid.kernels import bits_float, float_bits, kernel_backend, load_kernel
 from mlx_hybrid.rope import apply_rope_at
 
 # The most nodes a pass gives the kernel, where `hybrid tune` measured that MLX's attention with
@@ -63,7 +61,7 @@ def _visible(parents: mx.array) -> mx.array:
 def _attention_reference(*, inputs, template, **_):
     """`tree_attention_ref` on the kernel's launch (its fallback): node 0, a root, sits at row P."""
     q, keys, values, tree_keys, tree_values, parents, node_rows, positions, freqs = inputs
-    scale = struct.unpack("<f", struct.pack("<i", dict(template)["SCALE"]))[0]
+    scale = bits_float(dict(template)["SCALE"])
     return tree_attention_ref(q, keys, values, tree_keys, tree_values, _visible(parents), node_rows[:1], scale, positions, freqs)
 
 
@@ -111,7 +109,7 @@ def tree_attention(q: mx.array, keys: mx.array, values: mx.array, tree_keys: mx.
     kernel = load_kernel(backend, "tree_attention", names, ("out", "rk"), contiguous=False, reference=_attention_reference)
     return kernel(
         inputs=[q, keys, values, tree_keys, tree_values, parents, node_rows, positions, freqs],
-        template=template + [("SCALE", struct.unpack("<i", struct.pack("<f", scale))[0])],
+        template=template + [("SCALE", float_bits(scale))],
         grid=(groups * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, T, H, D), (1, KV, T, D)],

@@ -56,6 +56,7 @@ SPELLINGS = {
         ("__shfl_xor_sync(0xffffffff, ss, o)", "simd_shuffle_xor(ss, static_cast<ushort>(o))"),
         ("__shfl_xor_sync(0xffffffff, acc[m][c], o)", "simd_shuffle_xor(acc[m][c], static_cast<ushort>(o))"),
         ("rsqrtf(", "metal::rsqrt("),
+        ("__int_as_float(", "as_type<float>("),
     ],
     "qrow_matmul": [
         ("threadIdx.x", "thread_position_in_threadgroup.x"),

@@ -13,12 +13,11 @@ The same launch can also take the RMSNorm or SwiGLU before a projection and the 
 after it (`fused_project`). On Metal MLX's own matmul has no such host cost and is kept.
 """
 
-import functools
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_hybrid.kernels import kernel_backend, load_kernel
+from mlx_hybrid.kernels import bits_float, float_bits, kernel_backend, load_kernel
 
 # The most rows the kernel takes; more go to nn.Linear's matmul.
 ROWS = 64
@@ -43,11 +42,6 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
 
 
-@functools.cache
-def _eps(eps: float) -> mx.array:
-    return mx.array([eps], mx.float32)
-
-
 def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | None = None, gated: bool = False,
                residual: mx.array | None = None) -> mx.array:
     """`row_matmul_ref` on the 'metal' or 'cuda' kernel, for M <= ROWS rows, with what surrounds
@@ -57,10 +51,10 @@ def row_matmul(x: mx.array, w: mx.array, *, backend: str, norm: nn.RMSNorm | Non
     M = x.shape[0]
     N, K = w.shape
     npt = 4 if K % 128 == 0 else 2 if K % 64 == 0 else 1  # as MLX's matrix-vector kernel loads
-    flags = [("NORM", norm is not None), ("GATE", gated), ("RES", residual is not None)]
+    flags = [("NORM", norm is not None), ("GATE", gated), ("RES", residual is not None), ("EPS", 0 if norm is None else float_bits(norm.eps))]
     template = [("T", x.dtype), ("N", N), ("K", K), ("NPT", npt), ("C", COLUMNS), ("NW", WARPS), ("MW", -(-M // WARPS)), *flags]
-    kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "eps", "r"), ("y",), reference=_rows_reference)
-    inputs = [x, w, x if norm is None else norm.weight, x if norm is None else _eps(norm.eps), x if residual is None else residual]
+    kernel = load_kernel(backend, "row_matmul", ("x", "w", "nw", "r"), ("y",), reference=_rows_reference)
+    inputs = [x, w, x if norm is None else norm.weight, x if residual is None else residual]
     return launch_rows(kernel, inputs, template, (M, N), x.dtype)
 
 
@@ -73,13 +67,13 @@ def launch_rows(kernel, inputs: list, template: list, shape: tuple[int, int], dt
 
 def _rows_reference(*, inputs, template, **_):
     """`row_matmul`'s launch in MLX ops (its fallback): SwiGLU, RMSNorm, product, residual."""
-    x, w, nw, eps, r = inputs
+    x, w, nw, r = inputs
     t = dict(template)
     if t["GATE"]:
         x = swiglu(*mx.split(x, 2, axis=-1))
     if t["NORM"]:
         x32 = x.astype(mx.float32)
-        x = (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * nw
+        x = (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + bits_float(t["EPS"]))).astype(x.dtype) * nw
     y = row_matmul_ref(x, w)
     return [r + y if t["RES"] else y]
 
