@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from mlx_hybrid.kernels import DECODE_PARENTS, load_kernel
 
+
 def lanes(head_dim: int) -> int:
     """Threads a value column, each a share of its head_dim key rows: a power of two that keeps a
     head's threadgroup near 256 threads (a head's state is read and written once a node)."""

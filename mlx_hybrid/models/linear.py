@@ -13,7 +13,6 @@ The same launch can also take the RMSNorm or SwiGLU before a projection and the 
 after it (`fused_project`). On Metal MLX's own matmul has no such host cost and is kept.
 """
 
-
 import mlx.core as mx
 import mlx.nn as nn
 
