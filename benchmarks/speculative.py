@@ -135,22 +135,24 @@ def synthetic_target(d: Path, shape: str = "smollm2-135m", heads: bool = True) -
 
 
 def kernel_limits(target_dir: Path, model) -> dict:
-    """Which parts of a pass take this project's kernels (`linear.LIMITS`, `tree_attention.LIMIT`),
-    set as `hybrid chat` sets them: from the model's tuning profile, else, where the kernels run,
-    measured now as `hybrid tune` measures them, so that a pass never takes the slower path.
-    Returns them for the result file."""
+    """Which parts of a pass take this project's kernels (`linear.LIMITS`, `tree_attention.LIMIT`)
+    and the tree kernel's simdgroups (`tree_attention.WARPS`), set as `hybrid chat` sets them: from
+    the model's tuning profile, else, where the kernels run, measured now as `hybrid tune`
+    measures them, so that a pass never takes the slower path. Returns them for the result file."""
     from mlx_hybrid import profiles, tree_attention, tune
     from mlx_hybrid.kernels import kernel_backend
     from mlx_hybrid.models import linear
 
-    rows, tree = profiles.kernel_limits(target_dir, model)
+    rows, tree, warps = profiles.kernel_limits(target_dir, model)
     if not rows and kernel_backend() == "cuda":
         rows = profiles.shape_limits(tune.row_limits(model))
     linear.LIMITS.update(rows)
     if tree is None and kernel_backend() is not None:
-        tree = tune.attention_limit(model)["limit"]
-    tree_attention.LIMIT = tree
-    return {"row_limits": {f"{n}x{k}": v for (n, k), v in rows.items()}, "tree_attention_limit": tree}
+        measured = tune.attention_limit(model)
+        tree, warps = measured["limit"], measured["warps"]
+    tree_attention.LIMIT, tree_attention.WARPS = tree, warps or tree_attention.WARP_CHOICES[0]
+    return {"row_limits": {f"{n}x{k}": v for (n, k), v in rows.items()}, "tree_attention_limit": tree,
+            "tree_attention_warps": tree_attention.WARPS}
 
 
 def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = (),

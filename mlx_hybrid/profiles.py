@@ -174,10 +174,13 @@ def check_profile(profile: dict, path: Path, model_dir: Path, model=None):
         limit = row.get("limit") if isinstance(row, dict) else None
         if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", str(shape)) or not isinstance(limit, int) or not 0 <= limit <= ROWS:
             raise HybridError(f"{path}: row_limits needs NxK: {{'limit': 0..{ROWS}}}, got {shape!r}: {row!r}")
+    from mlx_hybrid.tree_attention import WARP_CHOICES
+
     attention = profile.get("tree_attention", {"limit": 0})
     limit = attention.get("limit") if isinstance(attention, dict) else None
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise HybridError(f"{path}: tree_attention needs {{'limit': a node count >= 0}}, got {attention!r}")
+    warps = attention.get("warps", WARP_CHOICES[0]) if isinstance(attention, dict) else None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0 or warps not in WARP_CHOICES:
+        raise HybridError(f"{path}: tree_attention needs {{'limit': a node count >= 0, 'warps': one of {WARP_CHOICES}}}, got {attention!r}")
 
 
 def chip_preset(device: str) -> tuple[str, int] | None:
@@ -206,15 +209,17 @@ def settings_for(method: str, model_dir: str | Path | None, model=None) -> Setti
     return Settings(width, PRESET_BEAM_LENGTH, source=f"{chip} preset")
 
 
-def kernel_limits(model_dir: str | Path | None, model=None) -> tuple[dict[tuple[int, int], int], int | None]:
+def kernel_limits(model_dir: str | Path | None, model=None) -> tuple[dict[tuple[int, int], int], int | None, int | None]:
     """Which parts of a verification pass take this project's kernels, as this device's profile
-    measured them: the most rows the row kernel takes per weight shape (`linear.LIMITS`) and the
-    most nodes the tree-attention kernel takes (`tree_attention.LIMIT`); ({}, None) without a
-    profile."""
+    measured them: the most rows the row kernel takes per weight shape (`linear.LIMITS`), the
+    most nodes the tree-attention kernel takes (`tree_attention.LIMIT`) and its simdgroups a
+    threadgroup (`tree_attention.WARPS`, None where the profile predates that measure); ({}, None,
+    None) without a profile."""
     found = load_profile(model_dir, model) if model_dir is not None else None
     if not found:
-        return {}, None
-    return shape_limits(found[0].get("row_limits", {})), found[0].get("tree_attention", {}).get("limit")
+        return {}, None, None
+    attention = found[0].get("tree_attention", {})
+    return shape_limits(found[0].get("row_limits", {})), attention.get("limit"), attention.get("warps")
 
 
 def use_kernel_limits(model_dir: str | Path | None, model=None):
@@ -224,7 +229,8 @@ def use_kernel_limits(model_dir: str | Path | None, model=None):
     from mlx_hybrid import tree_attention
     from mlx_hybrid.models import linear
 
-    rows, tree_attention.LIMIT = kernel_limits(model_dir, model)
+    rows, tree_attention.LIMIT, warps = kernel_limits(model_dir, model)
+    tree_attention.WARPS = warps or tree_attention.WARP_CHOICES[0]
     linear.LIMITS.update(rows)
 
 

@@ -67,8 +67,12 @@ def _attention_reference(*, inputs, template, **_):
 
 # Visible rows a lane group scores side by side, and simdgroups a threadgroup (metal_kernels/
 # tree_attention.cu): ROWS 4 and WARPS 8 for SmolLM2-135M's heads (9 x 64 over 3 KV heads) on the H100.
+# `hybrid tune` times each of WARP_CHOICES per model and device and a profile sets WARPS: with
+# fewer simdgroups more threadgroups fit a GPU core at once, which large heads can need (at
+# Llama-3-8B's a thread holds about 190 registers, so one threadgroup of 8 fills an H100 core).
 ROWS = 4
 WARPS = 8
+WARP_CHOICES = (8, 4)
 # Threadgroup memory a kernel may take: Apple GPUs give 32 KB (CUDA's static limit is 48 KB).
 SHARED_BYTES = 32 << 10
 

@@ -16,8 +16,9 @@ On MLX's CUDA backend it first measures, for each projection weight shape of the
 kernel against MLX's matmul at every candidate count, and keeps in the profile the most rows the
 kernel should take for that shape (`linear.LIMITS`; the verification cost is then measured with
 those limits, so the same cost model holds at every model size). Where a tree-attention kernel
-runs (Metal, CUDA) it measures a pass with the kernel and with MLX's attention over the tree's mask
-at each tree size, and keeps the most nodes the kernel should take (`tree_attention.LIMIT`). Then it
+runs (Metal, CUDA) it measures a pass with the kernel (at each of its simdgroup counts) and with
+MLX's attention over the tree's mask at each tree size, and keeps the kernel's cheaper simdgroup
+count and the most nodes it should take (`tree_attention.WARPS`, `tree_attention.LIMIT`). Then it
 predicts tokens/s = T / (t(n) + drafting) for every setting, then runs the best predicted settings,
 the defaults and plain decoding end to end on the prompts and keeps the fastest measured (so host
 overheads the model leaves out cannot pick a loser). The result is a profile
@@ -138,21 +139,27 @@ def row_limits(model: nn.Module, counts=COUNTS, reps: int = 5, chain: int = 10, 
 
 def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None) -> dict:
     """Seconds of a verification pass over a binary tree of n nodes (2..64) after `context`
-    tokens, its attention on the tree-attention kernel and on MLX's attention with the tree's
-    mask, and the most nodes the kernel should take (`linear.row_limit`'s rule):
-    {"n", "kernel", "masked", "limit"}. The whole pass, so that what the kernel saves in launches
-    and what it costs in reads are weighed as a pass weighs them."""
+    tokens, its attention on the tree-attention kernel at each of `tree_attention.WARP_CHOICES`
+    simdgroups a threadgroup and on MLX's attention with the tree's mask; the kernel's warps that
+    cost least over all n, and the most nodes the kernel should take at them (`linear.row_limit`'s
+    rule): {"n", "by_warps", "warps", "kernel", "masked", "limit"}. The whole pass, so that what
+    the kernel saves in launches and what it costs in reads are weighed as a pass weighs them."""
     counts = [n for n in counts if n > 1]
-    saved, out = tree_attention.LIMIT, {"n": counts}
+    saved = tree_attention.LIMIT, tree_attention.WARPS
+    runs = [(warps, None) for warps in tree_attention.WARP_CHOICES] + [(saved[1], 0)]  # the last: masked
+    costs = []
     try:
-        for i, (name, limit) in enumerate((("kernel", None), ("masked", 0))):
-            tree_attention.LIMIT = limit
-            step = (lambda d, t, i=i: progress(i * t + d, 2 * t)) if progress else None
-            out[name] = verification_cost(model, counts, context, reps, step, shapes=("tree",))["tree"]
+        for i, (warps, limit) in enumerate(runs):
+            tree_attention.WARPS, tree_attention.LIMIT = warps, limit
+            step = (lambda d, t, i=i: progress(i * t + d, len(runs) * t)) if progress else None
+            costs.append(verification_cost(model, counts, context, reps, step, shapes=("tree",))["tree"])
     finally:
-        tree_attention.LIMIT = saved
-    out["limit"] = linear.row_limit(counts, out["kernel"], out["masked"])
-    return out
+        tree_attention.LIMIT, tree_attention.WARPS = saved
+    *kernel, masked = costs
+    by_warps = dict(zip(tree_attention.WARP_CHOICES, kernel))
+    warps = min(by_warps, key=lambda w: sum(by_warps[w]))
+    return {"n": counts, "by_warps": {str(w): k for w, k in by_warps.items()}, "warps": warps, "kernel": by_warps[warps],
+            "masked": masked, "limit": linear.row_limit(counts, by_warps[warps], masked)}
 
 
 def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None,
@@ -247,7 +254,7 @@ def tune(
         profile["stages"].append("projection cost")
     if kernel_backend() is not None:
         attention = profile["tree_attention"] = attention_limit(model, counts, progress=lambda d, t: report("attention cost", d, t))
-        tree_attention.LIMIT = attention["limit"]
+        tree_attention.LIMIT, tree_attention.WARPS = attention["limit"], attention["warps"]
         profile["stages"].append("attention cost")
     verify = verification_cost(model, counts, progress=lambda d, t: report("verification cost", d, t))
     profile["verification_seconds"] = verify

@@ -250,41 +250,49 @@ def test_row_limits_per_projection_shape_and_in_the_profile(monkeypatch, model_d
     path = profiles.profile_path(model_dir)
     profile = {"best": {}, "choice": None, "row_limits": {"96x32": {"limit": 8}}}
     profiles.save_profile(profile, path)
-    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, None)
+    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, None, None)
     profiles.save_profile(profile | {"row_limits": {"96x32": {"limit": 1000}}}, path)
     with pytest.warns(profiles.ProfileWarning, match="row_limits needs NxK"):
-        assert profiles.kernel_limits(model_dir) == ({}, None)
+        assert profiles.kernel_limits(model_dir) == ({}, None, None)
 
 
 def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monkeypatch, model_dir, cache_dir):  # noqa: F811
-    """`attention_limit` times each tree size with the kernel allowed (LIMIT None) and refused
-    (LIMIT 0), restores LIMIT, and keeps the last size up to which the kernel never lost (here
-    stand-in passes: the kernel's cost n, masked attention's 5, so it wins up to 4 nodes); the
-    kernel then takes no tree past the limit, and a profile's limit comes back with the rows'."""
+    """`attention_limit` times each tree size with the kernel allowed (LIMIT None) at each of its
+    warps choices and refused (LIMIT 0), restores LIMIT and WARPS, keeps the warps that cost least
+    in all, and the last size up to which the kernel at them never lost (here stand-in passes: the
+    kernel's cost n at 8 warps, n - 1 at 4 from 4 nodes on, masked attention's 4.5, so 4 warps
+    win, up to 4 nodes); the kernel then takes no tree past the limit, and a profile's limit and
+    warps come back with the rows'."""
     from mlx_hybrid import tree_attention
 
     def fake_cost(model, counts, context=256, reps=5, progress=None, shapes=("chain", "tree")):
-        return {"n": counts, "tree": [float(n) if tree_attention.LIMIT is None else 5.0 for n in counts]}
+        if tree_attention.LIMIT == 0:
+            return {"n": counts, "tree": [4.5] * len(counts)}
+        return {"n": counts, "tree": [float(n - (tree_attention.WARPS == 4 and n >= 4)) for n in counts]}
 
     monkeypatch.setattr(tune_module, "verification_cost", fake_cost)
     monkeypatch.setattr(tree_attention, "LIMIT", 7)
     got = tune_module.attention_limit(None, counts=(1, 2, 4, 8, 16))
-    assert got == {"n": [2, 4, 8, 16], "kernel": [2.0, 4.0, 8.0, 16.0], "masked": [5.0] * 4, "limit": 4}
-    assert tree_attention.LIMIT == 7
+    assert got == {"n": [2, 4, 8, 16], "by_warps": {"8": [2.0, 4.0, 8.0, 16.0], "4": [2.0, 3.0, 7.0, 15.0]}, "warps": 4,
+                   "kernel": [2.0, 3.0, 7.0, 15.0], "masked": [4.5] * 4, "limit": 4}
+    assert tree_attention.LIMIT == 7 and tree_attention.WARPS == 8
     monkeypatch.setattr(tree_attention, "kernel_backend", lambda: "cuda")
     keys = mx.zeros((1, 2, 40, 16), mx.float16)
     for nodes, want in ((7, "cuda"), (8, None)):
         assert tree_attention.tree_kernel(mx.zeros((1, 6, nodes, 16), mx.float16), keys, None) == want
     path = profiles.profile_path(model_dir)
-    profile = {"best": {}, "choice": None, "tree_attention": {"limit": 12}, "row_limits": {"96x32": {"limit": 8}}}
+    profile = {"best": {}, "choice": None, "tree_attention": {"limit": 12, "warps": 4}, "row_limits": {"96x32": {"limit": 8}}}
     profiles.save_profile(profile, path)
-    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, 12)
+    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, 12, 4)
     from mlx_hybrid.models import linear
 
     monkeypatch.setattr(linear, "LIMITS", {})
+    monkeypatch.setattr(tree_attention, "WARPS", 8)
     profiles.use_kernel_limits(model_dir)  # what chat does before it speculates
-    assert tree_attention.LIMIT == 12 and linear.LIMITS == {(96, 32): 8}
+    assert tree_attention.LIMIT == 12 and tree_attention.WARPS == 4 and linear.LIMITS == {(96, 32): 8}
+    assert tree_attention.launch(32, 8, 17, 128, mx.bfloat16)[2] == 4 * 32  # threads a threadgroup
     profile.pop("row_limits")
-    profiles.save_profile(profile | {"tree_attention": {"limit": -1}}, path)
-    with pytest.warns(profiles.ProfileWarning, match="tree_attention needs"):
-        assert profiles.kernel_limits(model_dir) == ({}, None)
+    for bad in ({"limit": -1}, {"limit": 12, "warps": 3}):
+        profiles.save_profile(profile | {"tree_attention": bad}, path)
+        with pytest.warns(profiles.ProfileWarning, match="tree_attention needs"):
+            assert profiles.kernel_limits(model_dir) == ({}, None, None)
