@@ -5,7 +5,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hybrid_train.errors import TrainError
 
@@ -27,6 +27,11 @@ def _source(path: str | Path) -> tuple[Path, dict]:
 def load_tokenizer(path: str | Path):
     directory, extra = _source(path)
     try:
+        # A student's config.json names model_type llama_hybrid, which transformers does not know
+        # (it warns at every load): the tokenizer is looked up by its base model's config instead.
+        config = {} if extra else json.loads((directory / "config.json").read_text())
+        if config.get("model_type") == "llama_hybrid":
+            extra = {"config": AutoConfig.for_model(config.get("base_model_type", "llama"))}
         return AutoTokenizer.from_pretrained(directory, trust_remote_code=False, **extra)
     except Exception as e:  # transformers raises many types, with multi-line messages
         raise TrainError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0]}") from None

@@ -5,6 +5,7 @@ scan algorithms (chunked here, token by token there): measured max |diff| <= 7e-
 """
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -61,3 +62,18 @@ def test_export_loads_in_mlx_with_the_same_logits(tmp_path, arch, kinds, overrid
     with torch.no_grad():
         again = load_hybrid(out)(torch.tensor(ids), use_cache=False).logits[0].numpy()
     np.testing.assert_array_equal(again, expected)
+
+
+def test_a_students_tokenizer_loads_without_a_notice(tmp_path, caplog):
+    """A student's directory (config.json of model_type llama_hybrid) with the GGUF teacher's
+    tokenizer, as the stages save it: loading that tokenizer gives the teacher's ids, and
+    transformers logs no notice of a model type it does not know (it did at every load)."""
+    from mlx_hybrid.default_model import PATH, TEACHER, teacher_gguf
+    from mlx_hybrid.validate import read_json_object
+
+    teacher = load_tokenizer(teacher_gguf(read_json_object(PATH / TEACHER)))  # CI installs its package
+    teacher.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama_hybrid", "base_model_type": "llama"}))
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        assert load_tokenizer(tmp_path).encode("Hybrid models") == teacher.encode("Hybrid models")
+    assert "llama_hybrid" not in caplog.text
