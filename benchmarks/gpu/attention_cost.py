@@ -12,7 +12,7 @@ CUPTI reports them, and its largest difference from MLX's output.
 Trees: ReDrafter-shaped (4 beams from a root, 4 x 4 + 1 nodes) and binary (the T of a Medusa tree).
 Writes JSON (--out) and prints it.
 
-    python -m benchmarks.gpu.attention_cost --shape llama-3-8b [--context 256] [--out FILE.json]
+    python -m benchmarks.gpu.attention_cost --shape llama-3-8b [--context 256] [--warps 8|4] [--out FILE.json]
 """
 
 import argparse
@@ -83,14 +83,17 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=sorted(SYNTHETIC), default="llama-3-8b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--context", type=int, default=256, help="cached rows before the tree (default 256)")
+    p.add_argument("--warps", type=int, choices=tree_attention.WARP_CHOICES, default=tree_attention.WARPS,
+                   help="the kernel's simdgroups a threadgroup, as a tuning profile sets them")
     p.add_argument("--out", type=Path, help="the JSON file to write")
     args = p.parse_args(argv)
     if kernel_backend() != "cuda" or not torch.cuda.is_available():
         print("error: attention_cost times CUDA kernels: it needs MLX's CUDA backend and a CUDA build of torch", file=sys.stderr)
         return 1
     dtype = getattr(mx, args.dtype)
+    tree_attention.WARPS = args.warps
     layer = Attention(ModelArgs.from_dict(dict(SYNTHETIC[args.shape], model_type="llama")))
-    out = {"shape": args.shape, "dtype": args.dtype, "context": args.context, "mlx": mx.__version__,
+    out = {"shape": args.shape, "dtype": args.dtype, "context": args.context, "warps": args.warps, "mlx": mx.__version__,
            "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
            "command": "python -m benchmarks.gpu.attention_cost " + " ".join(argv if argv is not None else sys.argv[1:]), "trees": {}}
     for name, parents in TREES.items():
