@@ -150,7 +150,7 @@ def kernel_limits(target_dir: Path, model) -> dict:
     if tree is None and kernel_backend() is not None:
         measured = tune.attention_limit(model)
         tree, warps = measured["limit"], measured["warps"]
-    tree_attention.LIMIT, tree_attention.WARPS = tree, warps or tree_attention.WARP_CHOICES[0]
+    tree_attention.LIMIT, tree_attention.WARPS = tree, warps
     return {"row_limits": {f"{n}x{k}": v for (n, k), v in rows.items()}, "tree_attention_limit": tree,
             "tree_attention_warps": tree_attention.WARPS}
 

@@ -209,17 +209,19 @@ def settings_for(method: str, model_dir: str | Path | None, model=None) -> Setti
     return Settings(width, PRESET_BEAM_LENGTH, source=f"{chip} preset")
 
 
-def kernel_limits(model_dir: str | Path | None, model=None) -> tuple[dict[tuple[int, int], int], int | None, int | None]:
+def kernel_limits(model_dir: str | Path | None, model=None) -> tuple[dict[tuple[int, int], int], int | None, int]:
     """Which parts of a verification pass take this project's kernels, as this device's profile
     measured them: the most rows the row kernel takes per weight shape (`linear.LIMITS`), the
     most nodes the tree-attention kernel takes (`tree_attention.LIMIT`) and its simdgroups a
-    threadgroup (`tree_attention.WARPS`, None where the profile predates that measure); ({}, None,
-    None) without a profile."""
+    threadgroup (`tree_attention.WARPS`, its default where the profile predates that measure);
+    ({}, None, the default) without a profile."""
+    from mlx_hybrid.tree_attention import WARP_CHOICES
+
     found = load_profile(model_dir, model) if model_dir is not None else None
     if not found:
-        return {}, None, None
+        return {}, None, WARP_CHOICES[0]
     attention = found[0].get("tree_attention", {})
-    return shape_limits(found[0].get("row_limits", {})), attention.get("limit"), attention.get("warps")
+    return shape_limits(found[0].get("row_limits", {})), attention.get("limit"), attention.get("warps", WARP_CHOICES[0])
 
 
 def use_kernel_limits(model_dir: str | Path | None, model=None):
@@ -229,8 +231,7 @@ def use_kernel_limits(model_dir: str | Path | None, model=None):
     from mlx_hybrid import tree_attention
     from mlx_hybrid.models import linear
 
-    rows, tree_attention.LIMIT, warps = kernel_limits(model_dir, model)
-    tree_attention.WARPS = warps or tree_attention.WARP_CHOICES[0]
+    rows, tree_attention.LIMIT, tree_attention.WARPS = kernel_limits(model_dir, model)
     linear.LIMITS.update(rows)
 
 

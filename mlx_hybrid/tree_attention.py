@@ -71,8 +71,8 @@ def _attention_reference(*, inputs, template, **_):
 # fewer simdgroups more threadgroups fit a GPU core at once, which large heads can need (at
 # Llama-3-8B's a thread holds about 190 registers, so one threadgroup of 8 fills an H100 core).
 ROWS = 4
-WARPS = 8
 WARP_CHOICES = (8, 4)
+WARPS = WARP_CHOICES[0]
 # Threadgroup memory a kernel may take: Apple GPUs give 32 KB (CUDA's static limit is 48 KB).
 SHARED_BYTES = 32 << 10
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tests.helpers.factories import GPU_BACKENDS, make_hf_model_dir
 
-from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.kernels import float_bits, kernel_backend
 from mlx_hybrid.loader import load_model
 from mlx_hybrid.rope import apply_rope_at, rope_frequencies
 from mlx_hybrid.tree_mask import TreeMask, ancestor_mask, tree_depths
@@ -135,7 +135,7 @@ def test_cuda_body_on_the_cpu_matches_numpy():
                 ("freqs", freqs, None),
             ],
             outputs=[("out", (1, T, H, D)), ("rk", (1, KV, T, D))],
-            template=[(k, "float" if k == "T" else v) for k, v in template] + [("SCALE", np.float32(D**-0.5).view(np.int32))],
+            template=[(k, "float" if k == "T" else v) for k, v in template] + [("SCALE", float_bits(D**-0.5))],
             blocks=groups,
             threads=threads,
         )

@@ -250,10 +250,10 @@ def test_row_limits_per_projection_shape_and_in_the_profile(monkeypatch, model_d
     path = profiles.profile_path(model_dir)
     profile = {"best": {}, "choice": None, "row_limits": {"96x32": {"limit": 8}}}
     profiles.save_profile(profile, path)
-    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, None, None)
+    assert profiles.kernel_limits(model_dir) == ({(96, 32): 8}, None, 8)
     profiles.save_profile(profile | {"row_limits": {"96x32": {"limit": 1000}}}, path)
     with pytest.warns(profiles.ProfileWarning, match="row_limits needs NxK"):
-        assert profiles.kernel_limits(model_dir) == ({}, None, None)
+        assert profiles.kernel_limits(model_dir) == ({}, None, 8)
 
 
 def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monkeypatch, model_dir, cache_dir):  # noqa: F811
@@ -295,4 +295,4 @@ def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monk
     for bad in ({"limit": -1}, {"limit": 12, "warps": 3}):
         profiles.save_profile(profile | {"tree_attention": bad}, path)
         with pytest.warns(profiles.ProfileWarning, match="tree_attention needs"):
-            assert profiles.kernel_limits(model_dir) == ({}, None, None)
+            assert profiles.kernel_limits(model_dir) == ({}, None, 8)
