@@ -400,6 +400,26 @@ def test_a_model_that_verified_is_freed_with_its_compiled_pass(tmp_path):
     gc.collect()
     assert alive() is None and key not in verify._COMPILED
 
+def test_other_kernel_settings_trace_the_pass_apart(tmp_path, monkeypatch):
+    """A trace fixes which parts of the pass take the kernels, so the compiled pass is kept per
+    kernel settings: the tuner times the tree kernel's path and MLX's in turn, and chat applies a
+    profile's limits after loading; settings seen before reuse their trace."""
+    from mlx_hybrid import tree_attention
+    from mlx_hybrid.loader import load
+    from mlx_hybrid.speculative import verify
+
+    model, _ = load(make_hf_model_dir(tmp_path / "m", seed=9))
+    traced = lambda: {k[2] for k in verify._COMPILED if k[0] == id(model)}  # noqa: E731
+    check_placed_against_eager(model, PARENTS, [0, 1, 4, 6])
+    first = traced()
+    monkeypatch.setattr(tree_attention, "LIMIT", 0)
+    check_placed_against_eager(model, PARENTS, [0, 1, 4, 6])
+    assert len(first) == 1 and first < traced() and len(traced()) == 2
+    monkeypatch.setattr(tree_attention, "LIMIT", next(iter(first))[0])
+    check_placed_against_eager(model, PARENTS, [0, 1, 4, 6])
+    assert len(traced()) == 2
+
+
 def test_chain_pass_then_accept_is_a_trim(model, exact_float32):
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, model.args.vocab_size, 9).tolist()

@@ -7,7 +7,8 @@ the host's time per op, which replaying cuts to MLX's own, without Python buildi
 ops again. Inside the trace the model runs its ordinary forward pass with the tree mask, over
 caches rebuilt from the arrays handed in; what the layers hold for `commit` (the nodes' keys and
 values, or the state after each node) and the KV buffers they wrote come back out to the real
-caches. The trace keeps the weights the model has at its first pass.
+caches. The trace keeps the weights the model has at its first pass, and the kernels it took then:
+another choice of kernels (`kernel_settings`) is traced apart.
 """
 
 import functools
@@ -16,12 +17,15 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_hybrid import tree_attention
 from mlx_hybrid.cache import KVCache
 from mlx_hybrid.kernels import kernel_backend
+from mlx_hybrid.models import linear
 from mlx_hybrid.tree_mask import TreeMask
 
-# (id(model), cache kinds) -> its compiled pass. The pass holds the model weakly and the entry
-# leaves with the model: a strong hold here would keep every model that ever verified alive.
+# (id(model), cache kinds, kernel settings) -> its compiled pass. The pass holds the model weakly
+# and the entry leaves with the model: a strong hold here would keep every model that ever
+# verified alive.
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -57,7 +61,7 @@ def _compiled(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -
         if isinstance(c, KVCache):
             c.make_room(n, tree.bound)  # the buffers may grow only out here, not inside the trace
     kinds = tuple(type(c) for c in cache)
-    key = (id(model), kinds)
+    key = (id(model), kinds, kernel_settings())
     if key not in _COMPILED:  # an id is reused only after its model's entry was popped
         _COMPILED[key] = mx.compile(functools.partial(_pass, weakref.proxy(model), kinds))
         weakref.finalize(model, _COMPILED.pop, key, None)
@@ -71,6 +75,14 @@ def _compiled(model: nn.Module, tokens: mx.array, cache: list, tree: TreeMask) -
             (a, b), out = out[:2], out[2:]
             c.hold([a, b])
     return logits, h
+
+
+def kernel_settings() -> tuple:
+    """What a trace fixes besides shapes: which parts of the pass take this project's kernels
+    (`tree_attention.LIMIT` and `WARPS`, `linear.ROWS` and `LIMITS`), read by the layers as they
+    are traced. A pass traced under other settings is another pass: the tuner times each path
+    in turn, and a profile applied later must change what chat runs."""
+    return tree_attention.LIMIT, tree_attention.WARPS, linear.ROWS, tuple(sorted(linear.LIMITS.items()))
 
 
 def _pass(model: nn.Module, kinds: tuple, tokens, pos, depths, parents, visible, *arrays):
