@@ -4,8 +4,9 @@ A speculative step costs one verification pass over n candidate tokens plus the 
 yields T tokens; how fast the pass grows with n depends on the device (ReDrafter section 4.2:
 beam width 1 was best on an M1 Max, 3-4 on an M2 Ultra). The tuner measures, here:
 
-1. the verification cost t(n): one target pass over n candidates after a chat-sized context, as a
-   chain and as a branching tree (the tree mask takes a different attention path);
+1. the verification cost t(n): a target pass over n candidates after a chat-sized context, as a
+   chain and as a branching tree (the tree mask takes a different attention path), timed as the
+   greedy loop runs passes, each queued before the host reads the last;
 2. acceptance: the target's greedy runs over calibration prompts (`calibration.greedy_runs`) give,
    for every ReDrafter beam width x length, the accepted drafts per step and the candidates left
    after prefix de-duplication, and for Medusa the head accuracies, from which the greedy sparse
@@ -47,6 +48,7 @@ from mlx_hybrid.speculative.proposer import load_proposer
 from mlx_hybrid.speculative.redrafter import trims_padding
 from mlx_hybrid.speculative.steps import speculative_steps
 from mlx_hybrid.speculative.tree import expected_length, greedy_paths
+from mlx_hybrid.speculative.verify import verify
 from mlx_hybrid.tree_mask import TreeMask
 
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -142,8 +144,9 @@ def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: i
     tokens, its attention on the tree-attention kernel at each of `tree_attention.WARP_CHOICES`
     simdgroups a threadgroup and on MLX's attention with the tree's mask; the kernel's warps that
     cost least over all n, and the most nodes the kernel should take at them (`linear.row_limit`'s
-    rule): {"n", "by_warps", "warps", "kernel", "masked", "limit"}. The whole pass, so that what
-    the kernel saves in launches and what it costs in reads are weighed as a pass weighs them."""
+    rule): {"n", "by_warps", "warps", "kernel", "masked", "limit"}. The whole pass as the greedy
+    loop runs it (`verification_cost`), so that what the kernel saves in launches and what it
+    costs in reads are weighed as the loop weighs them."""
     counts = [n for n in counts if n > 1]
     saved = tree_attention.LIMIT, tree_attention.WARPS
     runs = [(warps, None) for warps in tree_attention.WARP_CHOICES] + [(saved[1], 0)]  # the last: masked
@@ -163,24 +166,37 @@ def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: i
 
 
 def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None,
-                      shapes=("chain", "tree")) -> dict:
+                      shapes=("chain", "tree"), queued: int = 4) -> dict:
     """Seconds per verification pass over n candidates after `context` tokens, as a chain and as
-    a binary tree (those of `shapes`): {"n", "chain", "tree"}."""
+    a binary tree (those of `shapes`): {"n", "chain", "tree"}. Timed as the greedy loop runs
+    passes (`speculative.steps._greedy_passes`): placed on the device (`TreeMask.at`, so `verify`
+    replays its compiled pass) and `queued` in a row, each before the host reads the last one's
+    argmax, so that one pass's host work overlaps another's device work and a pass costs the
+    larger of the two. Timed one at a time instead, a pass costs their sum, and that misjudges a
+    kernel that trades host time for device time (`attention_limit`)."""
     rng = np.random.default_rng(0)
     V = model.args.vocab_size
     cache = model.make_cache()
     prefill(model, mx.array(rng.integers(0, V, context)), cache)
+    pos = mx.array([cache[0].offset], mx.int32)
     out = {"n": list(counts)} | {shape: [] for shape in shapes}
     for i, n in enumerate(counts):
         tokens = mx.array(rng.integers(0, V, n))[None]
         for shape, tree in ((shape, TreeMask.chain(n) if shape == "chain" else binary_tree(n)) for shape in shapes):
 
             def run():
-                logits, hidden = model(tokens, cache, mask=tree, return_hidden=True)
-                np.array(mx.argmax(logits[0], axis=-1))  # acceptance reads the argmax on the host
-                commit(cache, [])  # back to the context
+                behind = None
+                for _ in range(queued):
+                    logits, _ = verify(model, tokens, cache, tree.at(pos, cache[0].offset))
+                    top = mx.argmax(logits[0], axis=-1)
+                    commit(cache, [])  # back to the context
+                    mx.async_eval(top)
+                    if behind is not None:
+                        np.array(behind)  # acceptance reads the pass behind on the host
+                    behind = top
+                np.array(behind)
 
-            out[shape].append(_median_seconds(run, reps))
+            out[shape].append(_median_seconds(run, reps) / queued)
         if progress:
             progress(i + 1, len(counts))
     return out

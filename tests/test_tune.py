@@ -87,10 +87,20 @@ def test_offline_acceptance_equals_real_speculative_steps(model_dir):  # noqa: F
     assert np.all(stats[1].accepted <= 3) and np.all(stats[1].candidates[1] == 3)  # width 1: a chain
 
 
-def test_verification_cost_leaves_the_cache_as_it_was(model_dir):  # noqa: F811
+def test_verification_cost_times_passes_as_the_greedy_loop_queues_them(monkeypatch, model_dir):  # noqa: F811
+    """Every timed pass is placed on the device, so that `verify` replays its compiled pass as the
+    greedy loop's do, `queued` of them a timing; each goes back to the context, so all start there."""
+    from mlx_hybrid.speculative import verify as verify_module
+
     model, _ = load(model_dir)
-    cost = verification_cost(model, counts=(1, 4), context=16, reps=1)
+    seen, compiled = [], []
+    real_verify, real_compiled = tune_module.verify, verify_module._compiled
+    monkeypatch.setattr(tune_module, "verify", lambda m, tokens, cache, tree: seen.append((tree.pos is not None, cache[0].offset)) or real_verify(m, tokens, cache, tree))
+    monkeypatch.setattr(verify_module, "_compiled", lambda *a: compiled.append(1) or real_compiled(*a))
+    cost = verification_cost(model, counts=(1, 4), context=16, reps=1, queued=3)
     assert cost["n"] == [1, 4] and all(t > 0 for t in cost["chain"] + cost["tree"])
+    assert seen == [(True, 16)] * (2 * 2 * 2 * 3)  # counts x shapes x (warm-up + reps) x queued
+    assert len(compiled) == len(seen)
 
 
 @pytest.fixture
