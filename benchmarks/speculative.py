@@ -55,6 +55,7 @@ from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
+from mlx_hybrid.tree_attention import WARP_CHOICES  # noqa: E402
 from mlx_hybrid.speculative.steps import speculative_steps  # noqa: E402
 from mlx_hybrid.speculative.load import target_dtype  # noqa: E402
 from mlx_hybrid.tune import PROMPTS_FILE  # noqa: E402
@@ -134,11 +135,13 @@ def synthetic_target(d: Path, shape: str = "smollm2-135m", heads: bool = True) -
     return d
 
 
-def kernel_limits(target_dir: Path, model) -> dict:
+def kernel_limits(target_dir: Path, model, tree_limit: int | None = None, tree_warps: int | None = None) -> dict:
     """Which parts of a pass take this project's kernels (`linear.LIMITS`, `tree_attention.LIMIT`)
     and the tree kernel's simdgroups (`tree_attention.WARPS`), set as `hybrid chat` sets them: from
     the model's tuning profile, else, where the kernels run, measured now as `hybrid tune`
-    measures them, so that a pass never takes the slower path. Returns them for the result file."""
+    measures them, so that a pass never takes the slower path. tree_limit (and tree_warps): the
+    tree kernel's instead, to compare the two attention paths end to end. Returns them for the
+    result file."""
     from mlx_hybrid import profiles, tree_attention, tune
     from mlx_hybrid.kernels import kernel_backend
     from mlx_hybrid.models import linear
@@ -147,7 +150,9 @@ def kernel_limits(target_dir: Path, model) -> dict:
     if not rows and kernel_backend() == "cuda":
         rows = profiles.shape_limits(tune.row_limits(model))
     linear.LIMITS.update(rows)
-    if tree is None and kernel_backend() is not None:
+    if tree_limit is not None:
+        tree, warps = tree_limit, tree_warps or warps
+    elif tree is None and kernel_backend() is not None:
         measured = tune.attention_limit(model)
         tree, warps = measured["limit"], measured["warps"]
     tree_attention.LIMIT, tree_attention.WARPS = tree, warps
@@ -285,6 +290,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=",".join(map(str, PROFILE)),
                    help="--oracle: per-depth acceptance, depth d's chance given d - 1 was right (default: the 135M "
                    "default's trained drafter, benchmarks/oracle.py)")
+    p.add_argument("--tree-limit", type=int, default=None, help="the most nodes the tree-attention kernel takes (0: MLX's "
+                   "attention over the tree's mask everywhere), instead of the profile's or a measured limit")
+    p.add_argument("--tree-warps", type=int, choices=WARP_CHOICES, default=None, help="with --tree-limit: the kernel's simdgroups a threadgroup")
     p.add_argument("--work-dir", type=Path, default=BENCH_DIR / "results" / "models")
     p.add_argument("--label", default=None)
     p.add_argument("--results", type=Path, default=BENCH_DIR / "results", help="where the JSON and plot go")
@@ -294,6 +302,10 @@ def main(argv=None) -> int:
         medusa_sizes = [int(n) for n in args.medusa_sizes.split(",") if n]
     except ValueError:
         p.error(f"--beam takes WxL[,WxL...] and --medusa-sizes N[,N...], got {args.beam!r} and {args.medusa_sizes!r}")
+    if args.tree_limit is not None and args.tree_limit < 0:
+        p.error(f"--tree-limit takes a node count >= 0, got {args.tree_limit}")
+    if args.tree_warps is not None and args.tree_limit is None:
+        p.error("--tree-warps goes with --tree-limit")
     try:
         profile = parse_profile(args.profile) if args.oracle else None
     except HybridError as e:
@@ -314,7 +326,7 @@ def main(argv=None) -> int:
     else:
         target_dir = args.model
         ours = load_model(target_dir, args.dtype)
-    limits = kernel_limits(target_dir, ours)
+    limits = kernel_limits(target_dir, ours, args.tree_limit, args.tree_warps)
     device = device_description()
     label = args.label or device["default_label"]
     if args.synthetic:

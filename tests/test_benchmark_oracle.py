@@ -255,6 +255,32 @@ def test_speculative_benchmark_rejects_a_bad_profile(capsys):
     assert e.value.code == 2 and "--profile takes comma-separated probabilities in [0, 1], got '0.5,2'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [(["--tree-limit", "-1"], "--tree-limit takes a node count >= 0, got -1"),
+                                           (["--tree-warps", "4"], "--tree-warps goes with --tree-limit")])
+def test_speculative_benchmark_rejects_bad_tree_limits(args, message, capsys):
+    from benchmarks import speculative
+
+    with pytest.raises(SystemExit) as e:
+        speculative.main(["--synthetic", "smollm2-135m", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_speculative_benchmark_tree_limit_replaces_the_measured_one(monkeypatch, tmp_path):
+    """--tree-limit and --tree-warps set the tree kernel's limit and simdgroups for the run, where
+    a kernel backend would otherwise have them measured (`tune.attention_limit`), and the result
+    file records them."""
+    from benchmarks import speculative
+    from mlx_hybrid import kernels, tree_attention, tune
+
+    monkeypatch.setattr(kernels, "kernel_backend", lambda: "metal")  # measured, were no limit given
+    monkeypatch.setattr(tune, "attention_limit", lambda model: pytest.fail("measured despite --tree-limit"))
+    monkeypatch.setattr(tree_attention, "LIMIT", None)
+    monkeypatch.setattr(tree_attention, "WARPS", 8)
+    got = speculative.kernel_limits(tmp_path, None, 64, 4)
+    assert (tree_attention.LIMIT, tree_attention.WARPS) == (64, 4)
+    assert got == {"row_limits": {}, "tree_attention_limit": 64, "tree_attention_warps": 4}
+
+
 def test_profile_of_counts_passes_at_each_depth():
     """Passes accepting 0, 1, 2, 2: 3 of 4 accepted one or more, 2 of those 3 two or more."""
     assert profile_of([0, 1, 2, 2]) == (0.75, 0.667)
