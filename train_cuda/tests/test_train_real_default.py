@@ -66,6 +66,27 @@ def test_real_default_script(tmp_path, teacher_dir, article_corpus):
     assert set(report["seconds"]) >= {"news", "questions", "chat", "student", "end-to-end", "redrafter", "perplexity-news", "perplexity-chat", "total"}
     missing = subprocess.run(cmd[:-2] + [str(tmp_path / "none.yaml")], capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.strip() == f"error: no settings file {tmp_path / 'none.yaml'}"
+    # The second student and its drafter convert for the runtime (benchmarks/gpu/reproduce.sh's
+    # quality stage), where greedy speculation decodes what plain greedy decoding does.
+    import mlx.core as mx
+
+    from mlx_hybrid.convert.hf import convert
+    from mlx_hybrid.decode import generate_step
+    from mlx_hybrid.loader import load_model
+    from mlx_hybrid.sampling import SamplingParams
+    from mlx_hybrid.speculative import load_proposer
+    from mlx_hybrid.speculative.steps import speculative_steps
+
+    target = convert(out / "student-e2e" / "model", tmp_path / "target", dtype="float32", redrafter=out / "redrafter" / "redrafter")
+    model = load_model(target)
+    prompt = [3, 17, 29, 5, 41, 7, 11]
+    plain = [t for t, _ in generate_step(mx.array(prompt), model, model.make_cache(), lambda x: mx.argmax(x, -1), max_tokens=16)]
+    drafted = []
+    for new, _ in speculative_steps(model, load_proposer("redrafter", model, target), prompt, model.make_cache(), SamplingParams()):
+        drafted += new
+        if len(drafted) >= 16:
+            break
+    assert drafted[:16] == plain
 
 
 @pytest.mark.parametrize("name", ["real_default", "real_hybrid_target", "real_quality", "real_quality_e2e"])
