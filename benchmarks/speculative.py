@@ -55,9 +55,9 @@ from mlx_hybrid.sampling import SamplingParams  # noqa: E402
 from mlx_hybrid.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
 from mlx_hybrid.profiles import Settings  # noqa: E402
 from mlx_hybrid.speculative.proposer import load_proposer  # noqa: E402
-from mlx_hybrid.tree_attention import WARP_CHOICES  # noqa: E402
 from mlx_hybrid.speculative.steps import speculative_steps  # noqa: E402
 from mlx_hybrid.speculative.load import target_dtype  # noqa: E402
+from mlx_hybrid.tree_attention import WARP_CHOICES  # noqa: E402
 from mlx_hybrid.tune import PROMPTS_FILE  # noqa: E402
 
 # Chat questions the SmolLM2 teacher wrote itself (Magpie) in the default model's training run
