@@ -166,14 +166,17 @@ def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: i
 
 
 def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None,
-                      shapes=("chain", "tree"), queued: int = 4) -> dict:
+                      shapes=("chain", "tree"), queued: int | None = None) -> dict:
     """Seconds per verification pass over n candidates after `context` tokens, as a chain and as
     a binary tree (those of `shapes`): {"n", "chain", "tree"}. Timed as the greedy loop runs
     passes (`speculative.steps._greedy_passes`): placed on the device (`TreeMask.at`, so `verify`
     replays its compiled pass) and `queued` in a row, each before the host reads the last one's
     argmax, so that one pass's host work overlaps another's device work and a pass costs the
     larger of the two. Timed one at a time instead, a pass costs their sum, and that misjudges a
-    kernel that trades host time for device time (`attention_limit`)."""
+    kernel that trades host time for device time (`attention_limit`). By default 4 on a GPU, 1 on
+    the CPU, where the host computes the pass itself and nothing overlaps."""
+    if queued is None:
+        queued = 1 if mx.default_device().type == mx.DeviceType.cpu else 4
     rng = np.random.default_rng(0)
     V = model.args.vocab_size
     cache = model.make_cache()
