@@ -44,7 +44,8 @@ from mlx_hybrid.speculative import verify
 from mlx_hybrid.speculative.load import target_dtype
 from mlx_hybrid import attention
 from mlx_hybrid.speculative import accept
-from mlx_hybrid.tree_mask import TreeMask, tree_depths
+from mlx_hybrid.tree_mask import TreeMask
+from mlx_hybrid.tune import binary_tree
 from mlx_hybrid.cache import commit, trim_cache
 from mlx_hybrid.models import linear
 from mlx_hybrid.kernels import kernel_backend
@@ -158,8 +159,7 @@ with mx.stream(generation_stream):
             out |= kernel_limits(d, model)
         for T in (8, 17, 34, 64):
             toks = mx.array(np.random.default_rng(T).integers(0, V, T))
-            par = [-1] + [(t - 1) // 2 for t in range(1, T)]
-            for shape, tree in (("chain", TreeMask.chain(T)), ("tree", TreeMask.from_parents(par))):
+            for shape, tree in (("chain", TreeMask.chain(T)), ("tree", binary_tree(T))):
                 if kernel_backend():
                     cell(f"T{T}_{shape}_kernel", fwd(toks, tree))  # each projection on the path tuned for it
                     # every projection on MLX's matmul, then every one on the row kernel
@@ -197,8 +197,8 @@ with mx.stream(generation_stream):
                 mx.eval(outs)
             out[f"sdpa30_T{T}_{name}"] = ms(f)
         if kernel_backend():
-            tree = [-1] + [(t - 1) // 2 for t in range(1, T)]
-            par, rows = mx.array(tree, mx.int32), mx.array(290 - T + tree_depths(tree))
+            tree = binary_tree(T)
+            par, rows = tree.parent_array(), 290 - T + tree.node_depths()
             tk = k[..., :T, :]  # the tree's own keys and values
             at, freqs = mx.arange(290 - T, 290, dtype=mx.int32), mx.ones((D // 2,))
             f = lambda: mx.eval([tree_attention(q, k, v, tk, tk, par, rows, at, freqs, scale=0.1, backend=kernel_backend()) for _ in range(30)])

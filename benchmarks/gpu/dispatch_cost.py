@@ -25,7 +25,7 @@ from mlx_hybrid.kernels import kernel_backend
 from mlx_hybrid.models.linear import row_matmul, swiglu
 from mlx_hybrid.rope import rope_frequencies
 from mlx_hybrid.tree_attention import tree_attention
-from mlx_hybrid.tree_mask import tree_depths
+from mlx_hybrid.tune import binary_tree
 
 dt = mx.bfloat16
 backend = kernel_backend()
@@ -59,8 +59,8 @@ def micro() -> dict:
     w, buf, idx = r(960, 576), r(1, 3, 512, 64), mx.zeros((1, 3, 25, 64), mx.int32)
     lin = nn.Linear(576, 960, bias=False)
     lin.weight = w
-    tree = [-1] + [(t - 1) // 2 for t in range(1, 25)]
-    parents, node_rows, positions = mx.array(tree, mx.int32), mx.array(200 + tree_depths(tree)), mx.arange(200, 225, dtype=mx.int32)
+    tree = binary_tree(25)
+    parents, node_rows, positions = tree.parent_array(), 200 + tree.node_depths(), mx.arange(200, 225, dtype=mx.int32)
     freqs = rope_frequencies(64, 100000.0, None)
     # each op its own input (mx.compile would merge alike ops on one input into one)
     ins = {s: [r(*s) for _ in range(N)] for s in [(1, 1, 576), (25, 576), (25, 1536), (1, 3, 25, 64), (1, 9, 25, 64)]}
