@@ -218,10 +218,9 @@ def kernel_limits(model_dir: str | Path | None, model=None) -> tuple[dict[tuple[
     from mlx_hybrid.tree_attention import WARP_CHOICES
 
     found = load_profile(model_dir, model) if model_dir is not None else None
-    if not found:
-        return {}, None, WARP_CHOICES[0]
-    attention = found[0].get("tree_attention", {})
-    return shape_limits(found[0].get("row_limits", {})), attention.get("limit"), attention.get("warps", WARP_CHOICES[0])
+    profile = found[0] if found else {}
+    attention = profile.get("tree_attention", {})
+    return shape_limits(profile.get("row_limits", {})), attention.get("limit"), attention.get("warps", WARP_CHOICES[0])
 
 
 def use_kernel_limits(model_dir: str | Path | None, model=None):
