@@ -36,11 +36,12 @@ from mlx_hybrid.cache import KVCache  # noqa: E402
 from mlx_hybrid.kernels import kernel_backend  # noqa: E402
 from mlx_hybrid.models.llama import Attention, ModelArgs  # noqa: E402
 from mlx_hybrid.tree_mask import TreeMask  # noqa: E402
+from mlx_hybrid.tune import binary_tree  # noqa: E402
 
 CALLS = 30
 TREES = {
     "beams 4x5": [-1] + [p for b in range(4) for p in (0, 1 + 4 * b, 2 + 4 * b, 3 + 4 * b)],
-    "binary 34": [-1] + [(t - 1) // 2 for t in range(1, 34)],
+    "binary 34": binary_tree(34).parents,
 }
 
 
