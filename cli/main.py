@@ -467,6 +467,13 @@ def tune(
         out.print(f"{m['method']:>9} {m['kind']:<9} {what:<14} {m['tps']:.1f} tok/s ({m['tps'] / profile['plain_tps']:.2f}x)", markup=False)
     choice = profile["choice"] or "plain decoding"
     out.print(f"fastest: {choice}; profile {path}", markup=False)
+    check = profile.get("tree_attention", {}).get("end_to_end")
+    if check:  # the kernel's limit, run end to end both ways on the fastest setting
+        from statistics import median
+
+        takes = lambda n: "no tree" if int(n) == 0 else f"trees of up to {n} nodes"  # noqa: E731
+        runs = ", ".join(f"{takes(n)} {median(tps):.1f}" for n, tps in check["tps"].items())
+        out.print(f"tree-attention kernel: {takes(check['limit'])} (tok/s with it taking {runs})", markup=False)
     try:
         plot(profile, path.with_suffix(".png"))
         out.print(f"plot {path.with_suffix('.png')}", markup=False)

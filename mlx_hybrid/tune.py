@@ -22,7 +22,9 @@ MLX's attention over the tree's mask at each tree size, and keeps the kernel's c
 count and the most nodes it should take (`tree_attention.WARPS`, `tree_attention.LIMIT`). Then it
 predicts tokens/s = T / (t(n) + drafting) for every setting, then runs the best predicted settings,
 the defaults and plain decoding end to end on the prompts and keeps the fastest measured (so host
-overheads the model leaves out cannot pick a loser). The result is a profile
+overheads the model leaves out cannot pick a loser); where the tree-attention kernel runs, the
+fastest setting then runs end to end with the kernel's limit and with the other extreme in turns,
+and the faster limit stays (`check_attention_limit`). The result is a profile
 (`mlx_hybrid.profiles`) that chat and generate use from then on, and a plot of the curves.
 """
 
@@ -88,7 +90,7 @@ def stages(methods: list[str]) -> list[str]:
     return (["projection cost"] * (kernel_backend() == "cuda") + ["attention cost"] * (kernel_backend() is not None)
             + ["verification cost", "greedy runs"]
             + ["beam acceptance", "drafting cost"] * ("redrafter" in methods) + ["tree cost"] * ("medusa" in methods)
-            + ["end-to-end runs"])
+            + ["end-to-end runs"] + ["attention check"] * (kernel_backend() is not None))
 
 
 def binary_tree(n: int) -> TreeMask:
@@ -145,17 +147,27 @@ def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: i
     simdgroups a threadgroup and on MLX's attention with the tree's mask; the kernel's warps that
     cost least over all n, and the most nodes the kernel should take at them (`linear.row_limit`'s
     rule): {"n", "by_warps", "warps", "kernel", "masked", "limit"}. The whole pass as the greedy
-    loop runs it (`verification_cost`), so that what the kernel saves in launches and what it
-    costs in reads are weighed as the loop weighs them."""
+    loop runs it (`queued_passes`), so that what the kernel saves in launches and what it costs
+    in reads are weighed as the loop weighs them; the paths take turns, timing by timing, so that
+    a host whose speed drifts over the minutes this takes favours none of them."""
     counts = [n for n in counts if n > 1]
     saved = tree_attention.LIMIT, tree_attention.WARPS
     runs = [(warps, None) for warps in tree_attention.WARP_CHOICES] + [(saved[1], 0)]  # the last: masked
-    costs = []
+    costs = [[] for _ in runs]
+    timed = queued_passes(model, context)
     try:
-        for i, (warps, limit) in enumerate(runs):
-            tree_attention.WARPS, tree_attention.LIMIT = warps, limit
-            step = (lambda d, t, i=i: progress(i * t + d, len(runs) * t)) if progress else None
-            costs.append(verification_cost(model, counts, context, reps, step, shapes=("tree",))["tree"])
+        for i, n in enumerate(counts):
+            seconds = [[] for _ in runs]
+            for rep in range(reps + 1):  # round 0 warms each path up: its trace and kernels
+                for j, (warps, limit) in enumerate(runs):
+                    tree_attention.WARPS, tree_attention.LIMIT = warps, limit
+                    t = timed(n, "tree")
+                    if rep:
+                        seconds[j].append(t)
+            for cost, s in zip(costs, seconds):
+                cost.append(median(s))
+            if progress:
+                progress(i + 1, len(counts))
     finally:
         tree_attention.LIMIT, tree_attention.WARPS = saved
     *kernel, masked = costs
@@ -168,13 +180,30 @@ def attention_limit(model: nn.Module, counts=COUNTS, context: int = 256, reps: i
 def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps: int = 5, progress=None,
                       shapes=("chain", "tree"), queued: int | None = None) -> dict:
     """Seconds per verification pass over n candidates after `context` tokens, as a chain and as
-    a binary tree (those of `shapes`): {"n", "chain", "tree"}. Timed as the greedy loop runs
-    passes (`speculative.steps._greedy_passes`): placed on the device (`TreeMask.at`, so `verify`
-    replays its compiled pass) and `queued` in a row, each before the host reads the last one's
-    argmax, so that one pass's host work overlaps another's device work and a pass costs the
-    larger of the two. Timed one at a time instead, a pass costs their sum, and that misjudges a
-    kernel that trades host time for device time (`attention_limit`). By default 4 on a GPU, 1 on
-    the CPU, where the host computes the pass itself and nothing overlaps."""
+    a binary tree (those of `shapes`): {"n", "chain", "tree"}, the median of reps timings (after
+    one that warms up) of `queued_passes`."""
+    timed = queued_passes(model, context, queued)
+    out = {"n": list(counts)} | {shape: [] for shape in shapes}
+    for i, n in enumerate(counts):
+        for shape in shapes:
+            out[shape].append(median([timed(n, shape) for _ in range(reps + 1)][1:]))
+        if progress:
+            progress(i + 1, len(counts))
+    return out
+
+
+def queued_passes(model: nn.Module, context: int = 256, queued: int | None = None):
+    """A timer of verification passes after `context` tokens: timed(n, shape) runs `queued`
+    passes over n candidates as a chain or a binary tree ("chain", "tree") and returns seconds a
+    pass. They run as the greedy loop runs them (`speculative.steps._greedy_passes`): placed on
+    the device (`TreeMask.at`, so `verify` replays its compiled pass), each followed by its
+    argmax and the cache moves of an accepted path (a `DevicePath` commit, written at the next
+    pass; here the root alone, at the context's end, so every pass starts there), and each
+    queued before the host reads the last one's argmax, so that one pass's host work overlaps
+    another's device work. Timed one at a time instead, a pass costs the sum of the two, and
+    that misjudges a kernel that trades host time for device time (`attention_limit`). queued:
+    by default 4 on a GPU, 1 on the CPU, where the host computes the pass itself and nothing
+    overlaps."""
     if queued is None:
         queued = 1 if mx.default_device().type == mx.DeviceType.cpu else 4
     rng = np.random.default_rng(0)
@@ -182,27 +211,27 @@ def verification_cost(model: nn.Module, counts=COUNTS, context: int = 256, reps:
     cache = model.make_cache()
     prefill(model, mx.array(rng.integers(0, V, context)), cache)
     pos = mx.array([cache[0].offset], mx.int32)
-    out = {"n": list(counts)} | {shape: [] for shape in shapes}
-    for i, n in enumerate(counts):
-        tokens = mx.array(rng.integers(0, V, n))[None]
-        for shape, tree in ((shape, TreeMask.chain(n) if shape == "chain" else binary_tree(n)) for shape in shapes):
+    root, last = mx.zeros((1,), mx.int32), mx.array(0, mx.int32)
+    tokens = {}
 
-            def run():
-                behind = None
-                for _ in range(queued):
-                    logits, _ = verify(model, tokens, cache, tree.at(pos, cache[0].offset))
-                    top = mx.argmax(logits[0], axis=-1)
-                    commit(cache, [])  # back to the context
-                    mx.async_eval(top)
-                    if behind is not None:
-                        np.array(behind)  # acceptance reads the pass behind on the host
-                    behind = top
-                np.array(behind)
+    def timed(n: int, shape: str) -> float:
+        if n not in tokens:
+            tokens[n] = mx.array(rng.integers(0, V, n))[None]
+        tree = TreeMask.chain(n) if shape == "chain" else binary_tree(n)
+        tic = time.perf_counter()
+        behind = None
+        for _ in range(queued):
+            logits, _ = verify(model, tokens[n], cache, tree.at(pos, cache[0].offset))
+            top = mx.argmax(logits[0], axis=-1)
+            commit(cache, root, last)
+            mx.async_eval(top)
+            if behind is not None:
+                np.array(behind)  # acceptance reads the pass behind on the host
+            behind = top
+        np.array(behind)
+        return (time.perf_counter() - tic) / queued
 
-            out[shape].append(_median_seconds(run, reps) / queued)
-        if progress:
-            progress(i + 1, len(counts))
-    return out
+    return timed
 
 
 def _cost(verify: dict, n: float, branching: bool) -> float:
@@ -346,9 +375,42 @@ def tune(
     for method in candidates:
         best = max((m for m in measured if m["method"] == method), key=lambda m: m["tps"])
         profile["best"][method] = {k: v for k, v in best.items() if k not in ("method", "kind")} | {"speedup": best["tps"] / plain}
-    fastest = max(measured, key=lambda m: m["tps"])
+    i = max(range(len(measured)), key=lambda i: measured[i]["tps"])
+    fastest = measured[i]
     profile["choice"] = None if fastest["method"] == "plain" else fastest["method"]
+    if "tree_attention" in profile and profile["choice"] is not None:
+        method, _, settings, _ = todo[i]
+
+        def measure(limit: int) -> float:
+            tree_attention.LIMIT = limit
+            return _measure(model, model_dir, method, settings, ids[:3], new_tokens)
+
+        attention = profile["tree_attention"]
+        attention["end_to_end"] = check_attention_limit(attention["limit"], max(attention["n"]), measure,
+                                                        progress=lambda d, t: report("attention check", d, t))
+        attention["limit"] = tree_attention.LIMIT = attention["end_to_end"]["limit"]
+        profile["stages"].append("attention check")
     return profile
+
+
+def check_attention_limit(limit: int, largest: int, measure, rounds: int = 2, progress=None) -> dict:
+    """The tree-attention kernel's limit, checked end to end on the chosen setting: measure(limit)
+    gives its tokens/s with the kernel taking trees up to limit nodes. The passes `attention_limit`
+    times carry less host work than the loop's (no drafting, no Python between passes), and the
+    kernel's gain is in host work (one launch a layer for MLX's four), so where the two paths
+    time close there the loop can still favour one clearly. The other extreme (the kernel for
+    every tree up to `largest` nodes where limit stops short of that, else MLX's attention for
+    every tree) runs in turns with limit, `rounds` times each, and the one with the higher
+    median stays (limit on a tie): {"limit", "tps": {limit: [tokens/s, ...], ...}}."""
+    other = largest if limit < largest else 0
+    tps = {limit: [], other: []}
+    for i in range(rounds):
+        for n in tps:
+            tps[n].append(measure(n))
+        if progress:
+            progress(i + 1, rounds)
+    best = other if median(tps[other]) > median(tps[limit]) else limit
+    return {"limit": best, "tps": {str(n): v for n, v in tps.items()}}
 
 
 def plot(profile: dict, path: Path):

@@ -89,7 +89,9 @@ def test_offline_acceptance_equals_real_speculative_steps(model_dir):  # noqa: F
 
 def test_verification_cost_times_passes_as_the_greedy_loop_queues_them(monkeypatch, model_dir):  # noqa: F811
     """Every timed pass is placed on the device, so that `verify` replays its compiled pass as the
-    greedy loop's do, `queued` of them a timing; each goes back to the context, so all start there."""
+    greedy loop's do, `queued` of them a timing, and keeps an accepted path on the device (a
+    `DevicePath` commit: the loop's cache moves) that the host never advances to, so all start at
+    the context."""
     from mlx_hybrid.speculative import verify as verify_module
 
     model, _ = load(model_dir)
@@ -97,10 +99,15 @@ def test_verification_cost_times_passes_as_the_greedy_loop_queues_them(monkeypat
     real_verify, real_compiled = tune_module.verify, verify_module._compiled
     monkeypatch.setattr(tune_module, "verify", lambda m, tokens, cache, tree: seen.append((tree.pos is not None, cache[0].offset)) or real_verify(m, tokens, cache, tree))
     monkeypatch.setattr(verify_module, "_compiled", lambda *a: compiled.append(1) or real_compiled(*a))
+    commits = []
+    real_commit = tune_module.commit
+    monkeypatch.setattr(tune_module, "commit", lambda cache, path, last: commits.append(last is not None) or real_commit(cache, path, last))
     cost = verification_cost(model, counts=(1, 4), context=16, reps=1, queued=3)
     assert cost["n"] == [1, 4] and all(t > 0 for t in cost["chain"] + cost["tree"])
     assert seen == [(True, 16)] * (2 * 2 * 2 * 3)  # counts x shapes x (warm-up + reps) x queued
     assert len(compiled) == len(seen)
+    # Each pass keeps a path on the device, as the loop's do: its keys and values are written at the next pass.
+    assert commits == [True] * len(seen)
 
 
 @pytest.fixture
@@ -275,16 +282,24 @@ def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monk
     warps come back with the rows'."""
     from mlx_hybrid import tree_attention
 
-    def fake_cost(model, counts, context=256, reps=5, progress=None, shapes=("chain", "tree")):
-        if tree_attention.LIMIT == 0:
-            return {"n": counts, "tree": [4.5] * len(counts)}
-        return {"n": counts, "tree": [float(n - (tree_attention.WARPS == 4 and n >= 4)) for n in counts]}
+    order = []
 
-    monkeypatch.setattr(tune_module, "verification_cost", fake_cost)
+    def fake_passes(model, context=256, queued=None):
+        def timed(n, shape):
+            order.append((n, tree_attention.WARPS, tree_attention.LIMIT))
+            if tree_attention.LIMIT == 0:
+                return 4.5
+            return float(n - (tree_attention.WARPS == 4 and n >= 4))
+
+        return timed
+
+    monkeypatch.setattr(tune_module, "queued_passes", fake_passes)
     monkeypatch.setattr(tree_attention, "LIMIT", 7)
-    got = tune_module.attention_limit(None, counts=(1, 2, 4, 8, 16))
+    got = tune_module.attention_limit(None, counts=(1, 2, 4, 8, 16), reps=2)
     assert got == {"n": [2, 4, 8, 16], "by_warps": {"8": [2.0, 4.0, 8.0, 16.0], "4": [2.0, 3.0, 7.0, 15.0]}, "warps": 4,
                    "kernel": [2.0, 3.0, 7.0, 15.0], "masked": [4.5] * 4, "limit": 4}
+    # The paths take turns, timing by timing (a warm-up round, then reps), not one path's sizes after another's.
+    assert order == [(n, *run) for n in (2, 4, 8, 16) for _ in range(3) for run in ((8, None), (4, None), (8, 0))]
     assert tree_attention.LIMIT == 7 and tree_attention.WARPS == 8
     monkeypatch.setattr(tree_attention, "kernel_backend", lambda: "cuda")
     keys = mx.zeros((1, 2, 40, 16), mx.float16)
@@ -306,3 +321,51 @@ def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monk
         profiles.save_profile(profile | {"tree_attention": bad}, path)
         with pytest.warns(profiles.ProfileWarning, match="tree_attention needs"):
             assert profiles.kernel_limits(model_dir) == ({}, None, 8)
+
+
+def test_check_attention_limit_runs_both_extremes_in_turns_and_keeps_the_faster():
+    """The measured limit and the other extreme (the kernel for every tree, or for none where the
+    limit already covers every size) take turns, and the one with the higher median stays; on a
+    tie the measured limit stays."""
+    calls = []
+
+    def measure(speeds):
+        return lambda limit: calls.append(limit) or speeds[limit].pop(0)
+
+    got = tune_module.check_attention_limit(4, 64, measure({4: [10.0, 11.0], 64: [12.0, 11.5]}))
+    assert calls == [4, 64, 4, 64]
+    assert got == {"limit": 64, "tps": {"4": [10.0, 11.0], "64": [12.0, 11.5]}}
+    calls.clear()
+    got = tune_module.check_attention_limit(64, 64, measure({64: [10.0, 10.0], 0: [10.0, 9.0]}))
+    assert calls == [64, 0, 64, 0] and got["limit"] == 64
+    assert tune_module.check_attention_limit(64, 64, measure({64: [9.0, 9.0], 0: [10.0, 9.5]}))["limit"] == 0
+
+
+def test_tune_checks_the_attention_limit_end_to_end_on_its_choice(monkeypatch, capsys, model_dir, cache_dir):  # noqa: F811
+    """Where a tree-attention kernel runs, `hybrid tune` runs its fastest setting end to end at the
+    measured limit and at the other extreme, and the profile keeps the faster (here a stand-in
+    end-to-end speed that grows with the limit, so the kernel for every tree wins)."""
+    from mlx_hybrid import tree_attention
+
+    runs = []
+
+    def fake_measure(model, model_dir, method, settings, ids, new_tokens):
+        runs.append((method, tree_attention.LIMIT))
+        return 100.0 if method is None else 120.0 + (tree_attention.LIMIT or 0)
+
+    monkeypatch.setattr(tune_module, "kernel_backend", lambda: "metal")  # the tune's stages; the passes stay on the CPU's paths
+    monkeypatch.setattr(tune_module, "attention_limit", lambda model, counts, progress=None: {
+        "n": [2, 4, 64], "warps": 8, "kernel": [1.0, 1.0, 2.0], "masked": [1.5, 1.0, 1.0], "limit": 4})
+    monkeypatch.setattr(tune_module, "verification_cost", lambda model, counts, progress=None: {"n": [1, 64], "chain": [1.0, 2.0], "tree": [1.0, 2.0]})
+    monkeypatch.setattr(tune_module, "_measure", fake_measure)
+    monkeypatch.setattr(tree_attention, "LIMIT", None)
+    code, out, err = run(monkeypatch, capsys, "tune", "-m", model_dir, "--new-tokens", 6, "--max-width", 1, "--max-length", 2, "--yes")
+    assert code == 0, err
+    profile = json.loads(profiles.profile_path(model_dir).read_text())
+    assert profile["choice"] in ("redrafter", "medusa")
+    assert profile["tree_attention"]["end_to_end"] == {"limit": 64, "tps": {"4": [124.0, 124.0], "64": [184.0, 184.0]}}
+    assert profile["tree_attention"]["limit"] == 64 and profile["stages"][-1] == "attention check"
+    assert runs[-4:] == [(profile["choice"], 4), (profile["choice"], 64)] * 2
+    assert profiles.kernel_limits(model_dir) == ({}, 64, 8)  # what chat then runs
+    said = "tree-attention kernel: trees of up to 64 nodes (tok/s with it taking trees of up to 4 nodes 124.0, trees of up to 64 nodes 184.0)"
+    assert said in " ".join(out.split())  # rich wraps lines at spaces
