@@ -141,12 +141,14 @@ def kernel_limits(target_dir: Path, model, tree_limit: int | None = None, tree_w
     the model's tuning profile, else, where the kernels run, measured now as `hybrid tune`
     measures them, so that a pass never takes the slower path. tree_limit (and tree_warps): the
     tree kernel's instead, to compare the two attention paths end to end. Returns them for the
-    result file."""
+    result file, with the attention measurement where it ran here (`check_tree_limit` checks
+    its limit end to end)."""
     from mlx_hybrid import profiles, tree_attention, tune
     from mlx_hybrid.kernels import kernel_backend
     from mlx_hybrid.models import linear
 
     rows, tree, warps = profiles.kernel_limits(target_dir, model)
+    measured = None
     if not rows and kernel_backend() == "cuda":
         rows = profiles.shape_limits(tune.row_limits(model))
     linear.LIMITS.update(rows)
@@ -157,7 +159,29 @@ def kernel_limits(target_dir: Path, model, tree_limit: int | None = None, tree_w
         tree, warps = measured["limit"], measured["warps"]
     tree_attention.LIMIT, tree_attention.WARPS = tree, warps
     return {"row_limits": {f"{n}x{k}": v for (n, k), v in rows.items()}, "tree_attention_limit": tree,
-            "tree_attention_warps": tree_attention.WARPS}
+            "tree_attention_warps": tree_attention.WARPS} | ({"tree_attention_measured": measured} if measured else {})
+
+
+def check_tree_limit(run: dict, limits: dict, prompt: list[int], n: int) -> dict:
+    """A tree-attention limit measured here (`tune.attention_limit`), checked end to end as
+    `hybrid tune` checks its own (`tune.check_attention_limit`), on the first ReDrafter row (else
+    Medusa's): the measured limit and the other extreme in turns, the faster kept. limits:
+    `kernel_limits`' result, returned with the limit kept and the check's runs."""
+    from mlx_hybrid import tree_attention, tune
+
+    name = next((m for kind in ("redrafter", "medusa") for m in run if kind in m), None)
+    if "tree_attention_measured" not in limits or name is None:
+        return limits
+
+    def measure(limit: int) -> float:
+        tree_attention.LIMIT = limit
+        run[name](prompt, n)  # warm-up: this limit's trace
+        tokens, secs, _ = run[name](prompt, n)
+        return (len(tokens) - 1) / secs
+
+    check = tune.check_attention_limit(limits["tree_attention_limit"], max(limits["tree_attention_measured"]["n"]), measure)
+    tree_attention.LIMIT = check["limit"]
+    return limits | {"tree_attention_limit": check["limit"], "tree_attention_check": check | {"method": name}}
 
 
 def runners(target_dir: Path, ours, k: int, beams: list[tuple[int, int]], medusa_sizes: list[int] = (),
@@ -343,6 +367,7 @@ def main(argv=None) -> int:
         prompts = [tokenizer.encode(t) for t in lines[len(lines) // 2 :][: args.prompts]]
         prompt_desc = f"each of {len(prompts)} held-out news prompts"
     run = runners(target_dir, ours, args.num_draft, beams, medusa_sizes, args.heads_dtype, profile, heads_rows=not (args.synthetic and args.oracle))
+    limits = check_tree_limit(run, limits, prompts[0], args.gen_tokens)
     trials = {name: [] for name in run}
     reference = {}
     for name, fn in run.items():  # warm-up; the reference tokens

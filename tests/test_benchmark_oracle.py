@@ -186,6 +186,29 @@ def test_speculative_benchmark_oracle_end_to_end(tmp_path, tiny_shape):
         assert rows[name]["tokens_per_step"] > 2, name  # 1 + .9 + .72 + .5 + .3 expected
 
 
+def test_speculative_benchmark_checks_a_measured_tree_limit_end_to_end(tmp_path, tiny_shape, monkeypatch):
+    """A tree-attention limit the benchmark measured itself is checked as `hybrid tune` checks
+    its own: the first ReDrafter row runs with it and with the other extreme in turns, the faster
+    limit is the one the rows run with, and the result file records both runs. (On this CPU the
+    two limits run the same path, so either may win.)"""
+    from benchmarks import speculative
+    from mlx_hybrid import tree_attention
+
+    measured = {"n": [2, 4, 64], "warps": 8, "kernel": [1.0, 1.0, 2.0], "masked": [1.5, 1.0, 1.0], "limit": 4}
+    limits = {"row_limits": {}, "tree_attention_limit": 4, "tree_attention_warps": 8, "tree_attention_measured": measured}
+    monkeypatch.setattr(speculative, "kernel_limits", lambda *a: dict(limits))
+    monkeypatch.setattr(tree_attention, "LIMIT", None)
+    out = tmp_path / "results"
+    assert speculative.main(["--synthetic", tiny_shape, "--oracle", "--gen-tokens", "8", "--prompt-tokens", "8", "--trials", "1",
+                             "--draft-layers", "1", "--work-dir", str(tmp_path), "--results", str(out)]) == 0
+    result = json.loads(next(out.glob("*.json")).read_text())
+    check = result["tree_attention_check"]
+    assert check["method"] == "mlx-hybrid oracle redrafter" and set(check["tps"]) == {"4", "64"}
+    assert all(len(v) == 2 and min(v) > 0 for v in check["tps"].values())
+    assert result["tree_attention_limit"] == check["limit"] == tree_attention.LIMIT and check["limit"] in (4, 64)
+    assert result["tree_attention_measured"] == measured
+
+
 def test_speculative_benchmark_synthetic_rows(tmp_path, tiny_shape):
     """`benchmarks.speculative --synthetic` without the oracle: a row for each untrained method,
     tied Medusa heads among them, every row's tokens plain greedy decoding's."""
