@@ -400,6 +400,7 @@ def test_a_model_that_verified_is_freed_with_its_compiled_pass(tmp_path):
     gc.collect()
     assert alive() is None and key not in verify._COMPILED
 
+
 def test_other_kernel_settings_trace_the_pass_apart(tmp_path, monkeypatch):
     """A trace fixes which parts of the pass take the kernels, so the compiled pass is kept per
     kernel settings: the tuner times the tree kernel's path and MLX's in turn, and chat applies a
