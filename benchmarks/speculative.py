@@ -400,23 +400,29 @@ def main(argv=None) -> int:
     out_dir = args.results
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{slug}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / f"{slug}.png")
+    print(render_file(out_dir / f"{slug}.json"))
+    return 0
 
+
+def plot(result: dict, path: Path) -> None:
+    """Each row's tokens/s as a bar, titled by the model's name (a directory's last part: the
+    plot travels with the results, the path it was run from does not)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.barh([r["method"] for r in rows][::-1], [r["tps"] for r in rows][::-1], color="tab:blue")
-        ax.set_xlabel("decode tokens/s (greedy)")
-        ax.set_title(f"{result['model']}, {label}", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{slug}.png", dpi=120)
     except ImportError:
-        pass
-    print(render_file(out_dir / f"{slug}.json"))
-    return 0
+        return
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.barh([r["method"] for r in rows][::-1], [r["tps"] for r in rows][::-1], color="tab:blue")
+    ax.set_xlabel("decode tokens/s (greedy)")
+    ax.set_title(f"{Path(result['model']).name}, {result['label']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
