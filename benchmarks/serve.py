@@ -262,7 +262,7 @@ def eos_bias(model: str | None) -> dict:
     path = resolve(model) if model else default_model_path()
     config = json.loads((path / "config.json").read_text())
     eos = config.get("eos_token_id")
-    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos, config.get("base_model_type"))
+    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos)
     return {str(t): -100 for t in tokenizer.eos_token_ids}
 
 

@@ -158,19 +158,20 @@ def set_weights(module: nn.Module, path: Path, weights: dict, dtype: str | None,
     return module
 
 
-def load_tokenizer(path: str | Path, eos_token_ids=None, base_model_type: str | None = None) -> TokenizerWrapper:
-    """The tokenizer in path; base_model_type hands transformers that config instead of config.json
-    (a hybrid's model_type is unknown to it and draws a warning)."""
+def load_tokenizer(path: str | Path, eos_token_ids=None) -> TokenizerWrapper:
+    """The tokenizer in path. A hybrid's config.json names a model_type transformers does not know,
+    which draws a warning on every load, so transformers gets its base architecture's config."""
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise HybridError(f"no tokenizer in {path} (expected {' or '.join(TOKENIZER_FILES)})")
     refuse_remote_code(path)
+    config = read_config_json(path, "model directory") if (path / "config.json").is_file() else {}
     try:
         extra = {"trust_remote_code": False}
-        if base_model_type:
+        if config.get("model_type") == "llama_hybrid":
             from transformers import AutoConfig
 
-            extra["config"] = AutoConfig.for_model(base_model_type)
+            extra["config"] = AutoConfig.for_model(config.get("base_model_type", "llama"))
         return load_tokenizer_wrapper(path, tokenizer_config_extra=extra, eos_token_ids=eos_token_ids)
     except Exception as e:
         raise HybridError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
@@ -189,8 +190,7 @@ def load(path: str | Path | None = None, dtype: str | None = None) -> tuple[nn.M
     model = load_model(path, dtype)
     config = load_config(path)
     eos = config.get("eos_token_id")
-    base = config.get("base_model_type", "llama") if config.get("model_type") == "llama_hybrid" else None
-    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos, base)
+    tokenizer = load_tokenizer(path, [eos] if isinstance(eos, int) else eos)
     check_tokenizer_fits(tokenizer, model.args.vocab_size, path)
     return model, tokenizer
 

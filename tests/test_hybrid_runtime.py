@@ -33,6 +33,27 @@ def loaded(hybrid_dir):
     return load(hybrid_dir, "float32")
 
 
+
+def test_a_hybrids_tokenizer_loads_without_transformers_warning(hybrid_dir, loaded):
+    """load_tokenizer on a hybrid's folder, as the benchmarks call it, hands transformers the base
+    architecture's config: no warning about an unknown model type, the tokenizer load() gives."""
+    import logging
+
+    import transformers
+
+    from mlx_hybrid.loader import load_tokenizer
+
+    records, handler = [], logging.Handler()
+    handler.emit = records.append
+    logger = transformers.logging.get_logger()
+    logger.addHandler(handler)
+    try:
+        tokenizer = load_tokenizer(hybrid_dir)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert tokenizer.encode("Hybrid models") == loaded[1].encode("Hybrid models")
+
 def test_chat_turns_match_fresh_generation(loaded):
     model, tokenizer = loaded
     session = ChatSession(model, tokenizer, system="Be brief.")
