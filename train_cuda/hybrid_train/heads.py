@@ -28,6 +28,7 @@ from hybrid_train.errors import TrainError
 from hybrid_train.losses import IGNORE
 from hybrid_train.model import load_hybrid
 from hybrid_train.teacher import load_teacher
+from hybrid_train.train import set_checkpointing
 
 
 def load_base(path: str | Path, dtype=torch.float32, device="cpu"):
@@ -122,11 +123,12 @@ class MedusaLM(nn.Module):
         h = hidden_states(self.base, input_ids)
         return self.base.lm_head(h), self.heads(h, masks)
 
-    def gradient_checkpointing_enable(self, **kwargs):
-        self.base.gradient_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self, **kwargs):
+        """The backbone's (the heads are too small to checkpoint)."""
+        set_checkpointing(self.base, True)
 
-    def gradient_checkpointing_disable(self):
-        self.base.gradient_checkpointing_disable()
+    def activation_checkpointing_disable(self):
+        set_checkpointing(self.base, False)
 
 
 class Drafter(nn.Module):

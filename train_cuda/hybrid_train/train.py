@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -237,7 +238,9 @@ def _save_sharded(out: Path, model, opt, meta: dict, env: Dist):
         shutil.rmtree(tmp)
     env.barrier()
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    with warnings.catch_warnings():  # one process, no group: the same checkpoint, which dcp warns of
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
     if env.main:
         torch.save(meta, tmp / "meta.pt")
         if final.exists():
@@ -255,6 +258,16 @@ def _load_sharded(path: Path, model, opt):
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)  # resharded to this run's processes
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Activation checkpointing on (non-reentrant) or off. transformers 5 calls it activation
+    checkpointing, its gradient_* names warn and go in v6; 4.x has only those."""
+    kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if on:
+        getattr(model, f"{kind}_checkpointing_enable")(**{f"{kind}_checkpointing_kwargs": {"use_reentrant": False}})
+    else:
+        getattr(model, f"{kind}_checkpointing_disable")()
 
 
 def train(
@@ -312,7 +325,7 @@ def train(
     if not sharded:
         model.to(env.device)
     if cfg.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(model, True)
     model.train()
     # Groups by parameter name: sharding replaces the parameters.
     named = {id(p): n for n, p in model.named_parameters()}
@@ -406,5 +419,5 @@ def train(
         del opt, params, groups
         model = _unshard(model, skeleton)
     if cfg.grad_checkpointing:
-        model.gradient_checkpointing_disable()
+        set_checkpointing(model, False)
     return model.eval()

@@ -134,6 +134,25 @@ def test_stage_lowers_its_loss_and_reports_accuracy(tmp_path, teacher_dir, greed
         assert report["base_top1"] == 1.0  # the data are the base's greedy continuations
 
 
+
+def test_checkpointing_through_the_medusa_wrapper_without_deprecation(teacher_dir):
+    """Medusa-2's wrapper turns the backbone's activation checkpointing on and off, under the name
+    this transformers has, without its deprecation warning."""
+    import warnings
+
+    from hybrid_train.heads import MedusaLM
+    from hybrid_train.train import set_checkpointing
+
+    base = load_teacher(teacher_dir)
+    model = MedusaLM(base, MedusaHeads.for_base(base, 2))
+    checkpointed = lambda: any(getattr(m, "gradient_checkpointing", False) for m in base.modules())  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        set_checkpointing(model, True)
+        assert checkpointed()
+        set_checkpointing(model, False)
+        assert not checkpointed()
+
 def test_draft_accuracy_by_hand():
     # One response of 6 tokens after a 1-token prompt; the draft is right at response positions
     # 0, 1, 3, 4, 5. With K = 2 the runs of agreeing tokens from each position, capped at 2, are
