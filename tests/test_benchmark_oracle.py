@@ -222,7 +222,6 @@ def test_speculative_benchmark_synthetic_rows(tmp_path, tiny_shape):
     assert all(r["same"] for r in rows.values()), rows
 
 
-
 def test_speculative_plot_is_titled_by_the_model_name_not_its_path(tmp_path, monkeypatch):
     """A committed plot names the model as its result file does, not the directory it ran from."""
     import matplotlib.axes
@@ -235,6 +234,7 @@ def test_speculative_plot_is_titled_by_the_model_name_not_its_path(tmp_path, mon
                      tmp_path / "p.png")
     assert titles == ["quality-target, GPU"]
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 
 def test_peaked_target_has_no_near_tie(tmp_path, tiny_shape, monkeypatch):
     """The oracle's target: in float16 and bfloat16 every position's best logit is far above the

@@ -33,7 +33,6 @@ def loaded(hybrid_dir):
     return load(hybrid_dir, "float32")
 
 
-
 def test_a_hybrids_tokenizer_loads_without_transformers_warning(hybrid_dir, loaded):
     """load_tokenizer on a hybrid's folder, as the benchmarks call it, hands transformers the base
     architecture's config: no warning about an unknown model type, the tokenizer load() gives."""
@@ -53,6 +52,7 @@ def test_a_hybrids_tokenizer_loads_without_transformers_warning(hybrid_dir, load
         logger.removeHandler(handler)
     assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
     assert tokenizer.encode("Hybrid models") == loaded[1].encode("Hybrid models")
+
 
 def test_chat_turns_match_fresh_generation(loaded):
     model, tokenizer = loaded

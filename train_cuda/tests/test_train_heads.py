@@ -134,7 +134,6 @@ def test_stage_lowers_its_loss_and_reports_accuracy(tmp_path, teacher_dir, greed
         assert report["base_top1"] == 1.0  # the data are the base's greedy continuations
 
 
-
 def test_checkpointing_through_the_medusa_wrapper_without_deprecation(teacher_dir):
     """Medusa-2's wrapper turns the backbone's activation checkpointing on and off, under the name
     this transformers has, without its deprecation warning."""
@@ -152,6 +151,7 @@ def test_checkpointing_through_the_medusa_wrapper_without_deprecation(teacher_di
         assert checkpointed()
         set_checkpointing(model, False)
         assert not checkpointed()
+
 
 def test_draft_accuracy_by_hand():
     # One response of 6 tokens after a 1-token prompt; the draft is right at response positions
