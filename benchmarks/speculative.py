@@ -164,23 +164,21 @@ def kernel_limits(target_dir: Path, model, tree_limit: int | None = None, tree_w
 
 def check_tree_limit(run: dict, limits: dict, prompt: list[int], n: int) -> dict:
     """A tree-attention limit measured here (`tune.attention_limit`), checked end to end as
-    `hybrid tune` checks its own (`tune.check_attention_limit`), on the first ReDrafter row (else
-    Medusa's): the measured limit and the other extreme in turns, the faster kept. limits:
-    `kernel_limits`' result, returned with the limit kept and the check's runs."""
-    from mlx_hybrid import tree_attention, tune
+    `hybrid tune` checks its own (`tune.check_attention_limit`, which leaves the faster set), on
+    the first ReDrafter row (else Medusa's): the measured limit and the other extreme in turns.
+    limits: `kernel_limits`' result, returned with the limit kept and the check's runs."""
+    from mlx_hybrid import tune
 
     name = next((m for kind in ("redrafter", "medusa") for m in run if kind in m), None)
     if "tree_attention_measured" not in limits or name is None:
         return limits
 
-    def measure(limit: int) -> float:
-        tree_attention.LIMIT = limit
+    def measure() -> float:
         run[name](prompt, n)  # warm-up: this limit's trace
         tokens, secs, _ = run[name](prompt, n)
         return (len(tokens) - 1) / secs
 
     check = tune.check_attention_limit(limits["tree_attention_limit"], max(limits["tree_attention_measured"]["n"]), measure)
-    tree_attention.LIMIT = check["limit"]
     return limits | {"tree_attention_limit": check["limit"], "tree_attention_check": check | {"method": name}}
 
 

@@ -382,36 +382,34 @@ def tune(
     profile["choice"] = None if fastest["method"] == "plain" else fastest["method"]
     if "tree_attention" in profile and profile["choice"] is not None:
         method, _, settings, _ = todo[i]
-
-        def measure(limit: int) -> float:
-            tree_attention.LIMIT = limit
-            return _measure(model, model_dir, method, settings, ids[:3], new_tokens)
-
         attention = profile["tree_attention"]
-        attention["end_to_end"] = check_attention_limit(attention["limit"], max(attention["n"]), measure,
-                                                        progress=lambda d, t: report("attention check", d, t))
-        attention["limit"] = tree_attention.LIMIT = attention["end_to_end"]["limit"]
+        attention["end_to_end"] = check_attention_limit(
+            attention["limit"], max(attention["n"]), lambda: _measure(model, model_dir, method, settings, ids[:3], new_tokens),
+            progress=lambda d, t: report("attention check", d, t))
+        attention["limit"] = attention["end_to_end"]["limit"]
         profile["stages"].append("attention check")
     return profile
 
 
 def check_attention_limit(limit: int, largest: int, measure, rounds: int = 2, progress=None) -> dict:
-    """The tree-attention kernel's limit, checked end to end on the chosen setting: measure(limit)
-    gives its tokens/s with the kernel taking trees up to limit nodes. The passes `attention_limit`
-    times carry less host work than the loop's (no drafting, no Python between passes), and the
-    kernel's gain is in host work (one launch a layer for MLX's four), so where the two paths
-    time close there the loop can still favour one clearly. The other extreme (the kernel for
-    every tree up to `largest` nodes where limit stops short of that, else MLX's attention for
-    every tree) runs in turns with limit, `rounds` times each, and the one with the higher
-    median stays (limit on a tie): {"limit", "tps": {limit: [tokens/s, ...], ...}}."""
+    """The tree-attention kernel's limit, checked end to end on the chosen setting: measure()
+    gives its tokens/s, run with `tree_attention.LIMIT` set to each limit in turn, and the limit
+    kept is left set. The passes `attention_limit` times carry less host work than the loop's (no
+    drafting, no Python between passes), and the kernel's gain is in host work (one launch a
+    layer for MLX's four), so where the two paths time close there the loop can still favour one
+    clearly. The other extreme (the kernel for every tree up to `largest` nodes where limit stops
+    short of that, else MLX's attention for every tree) runs in turns with limit, `rounds` times
+    each, and the one with the higher median stays (limit on a tie):
+    {"limit", "tps": {limit: [tokens/s, ...], ...}}."""
     other = largest if limit < largest else 0
     tps = {limit: [], other: []}
     for i in range(rounds):
         for n in tps:
-            tps[n].append(measure(n))
+            tree_attention.LIMIT = n
+            tps[n].append(measure())
         if progress:
             progress(i + 1, rounds)
-    best = other if median(tps[other]) > median(tps[limit]) else limit
+    best = tree_attention.LIMIT = other if median(tps[other]) > median(tps[limit]) else limit
     return {"limit": best, "tps": {str(n): v for n, v in tps.items()}}
 
 

@@ -323,22 +323,25 @@ def test_attention_limit_keeps_the_kernel_up_to_where_masked_attention_wins(monk
             assert profiles.kernel_limits(model_dir) == ({}, None, 8)
 
 
-def test_check_attention_limit_runs_both_extremes_in_turns_and_keeps_the_faster():
+def test_check_attention_limit_runs_both_extremes_in_turns_and_keeps_the_faster(monkeypatch):
     """The measured limit and the other extreme (the kernel for every tree, or for none where the
-    limit already covers every size) take turns, and the one with the higher median stays; on a
-    tie the measured limit stays."""
+    limit already covers every size) take turns, each run with `tree_attention.LIMIT` set to it,
+    and the one with the higher median stays set; on a tie the measured limit stays."""
+    from mlx_hybrid import tree_attention
+
+    monkeypatch.setattr(tree_attention, "LIMIT", None)
     calls = []
 
     def measure(speeds):
-        return lambda limit: calls.append(limit) or speeds[limit].pop(0)
+        return lambda: calls.append(tree_attention.LIMIT) or speeds[tree_attention.LIMIT].pop(0)
 
     got = tune_module.check_attention_limit(4, 64, measure({4: [10.0, 11.0], 64: [12.0, 11.5]}))
     assert calls == [4, 64, 4, 64]
-    assert got == {"limit": 64, "tps": {"4": [10.0, 11.0], "64": [12.0, 11.5]}}
+    assert got == {"limit": 64, "tps": {"4": [10.0, 11.0], "64": [12.0, 11.5]}} and tree_attention.LIMIT == 64
     calls.clear()
     got = tune_module.check_attention_limit(64, 64, measure({64: [10.0, 10.0], 0: [10.0, 9.0]}))
-    assert calls == [64, 0, 64, 0] and got["limit"] == 64
-    assert tune_module.check_attention_limit(64, 64, measure({64: [9.0, 9.0], 0: [10.0, 9.5]}))["limit"] == 0
+    assert calls == [64, 0, 64, 0] and got["limit"] == 64 == tree_attention.LIMIT
+    assert tune_module.check_attention_limit(64, 64, measure({64: [9.0, 9.0], 0: [10.0, 9.5]}))["limit"] == 0 == tree_attention.LIMIT
 
 
 def test_tune_checks_the_attention_limit_end_to_end_on_its_choice(monkeypatch, capsys, model_dir, cache_dir):  # noqa: F811
